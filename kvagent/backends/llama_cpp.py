@@ -1,0 +1,277 @@
+"""The llama.cpp backend, on llama-cpp-python's low-level ctypes API. The only module importing ``llama_cpp``.
+
+One model, one context, several sequences in one unified KV pool (``kv_unified``). Every native call
+that can fail is checked and raised as a named exception (:class:`BackendError`,
+:class:`KVCacheFullError`); native resources are freed in reverse order of creation (batch, context,
+model). Device-agnostic: ``n_gpu_layers`` offloads to a GPU where the wheel was built with one; KV is
+only ever read through llama.cpp's state API, never assumed to be host memory.
+
+llama.cpp accepts a sequence's new tokens only at ``pos_max + 1``; callers that rewrite the middle of a
+sequence remove the tail first and decode left to right.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import llama_cpp as C
+import numpy as np
+
+from kvagent.backends.base import BackendConfig
+from kvagent.errors import BackendError, KVCacheFullError
+
+log = logging.getLogger(__name__)
+_native_log = logging.getLogger("kvagent.llama_cpp.native")
+# ggml log levels -> logging levels; llama.cpp's INFO is load-time chatter, kept at DEBUG
+_LEVELS = {2: logging.WARNING, 3: logging.ERROR}
+
+
+@C.llama_log_callback
+def _forward_native_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # llama.cpp prints to stderr by default; route it into logging, where INFO chatter is hidden.
+    msg = text.decode("utf-8", errors="replace").rstrip()
+    if msg:
+        _native_log.log(_LEVELS.get(level, logging.DEBUG), msg)
+
+
+_initialised = False
+
+
+def _init_backend() -> None:
+    global _initialised
+    if not _initialised:
+        C.llama_backend_init()
+        C.llama_log_set(_forward_native_log, ctypes.c_void_p(0))
+        _initialised = True
+
+
+class LlamaCppBackend:
+    """A loaded GGUF model with one multi-sequence context. See ``backends.base.Backend``."""
+
+    def __init__(self, model_path: Path, config: BackendConfig | None = None) -> None:
+        _init_backend()
+        self.config = cfg = config or BackendConfig()
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        mparams = C.llama_model_default_params()
+        mparams.n_gpu_layers = cfg.n_gpu_layers
+        model = C.llama_model_load_from_file(str(model_path).encode(), mparams)
+        if not model:
+            raise BackendError(f"llama_model_load_from_file failed for {model_path}: is it a valid GGUF model?")
+        self._model = model
+        self._vocab = C.llama_model_get_vocab(model)
+        cparams = C.llama_context_default_params()
+        cparams.n_ctx = cfg.n_ctx
+        cparams.n_batch = cfg.n_batch
+        cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
+        cparams.n_seq_max = cfg.n_seq_max
+        threads = cfg.n_threads or os.cpu_count() or 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.swa_full = cfg.swa_full
+        cparams.kv_unified = True
+        cparams.no_perf = True
+        ctx = C.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise BackendError(
+                f"llama_init_from_model failed (n_ctx={cfg.n_ctx}, n_seq_max={cfg.n_seq_max}): "
+                "lower n_ctx or n_seq_max, or free memory"
+            )
+        self._ctx = ctx
+        self._mem = C.llama_get_memory(ctx)
+        self.n_ctx = int(C.llama_n_ctx_seq(ctx))
+        self.n_batch = int(C.llama_n_batch(ctx))
+        self.n_seq_max = cfg.n_seq_max
+        self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
+        self._batch = C.llama_batch_init(self.n_batch, 0, 1)
+        self.format = f"llama-cpp-python {C.__version__}; kv f16; swa_full={cfg.swa_full}"
+        log.info("loaded %s: n_ctx=%d n_seq_max=%d n_swa=%d", model_path.name, self.n_ctx, self.n_seq_max, self.n_swa)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free batch, context, model (in that order). Safe to call twice."""
+        if self._batch is not None:
+            C.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            C.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            C.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # last resort; Engine.close() is the normal path
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the bindings may already be gone
+            pass
+
+    def _live(self) -> ctypes.c_void_p:
+        if self._ctx is None:
+            raise BackendError("the backend was closed; load the model again")
+        return self._ctx
+
+    # -- model facts ------------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text, or None when the key is absent."""
+        size = 4096
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = C.llama_model_meta_val_str(self._model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+    @property
+    def architecture(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.meta("tokenizer.chat_template")
+
+    @property
+    def n_swa(self) -> int:
+        """Sliding-window size of the model's SWA layers; 0 when it has none."""
+        return int(C.llama_model_n_swa(self._model))
+
+    @property
+    def n_layer(self) -> int:
+        return int(C.llama_model_n_layer(self._model))
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether ``seq_add`` (RoPE K-shift) is supported by this model's memory."""
+        return bool(C.llama_memory_can_shift(self._mem))
+
+    # -- tokens -----------------------------------------------------------------------------------
+    @property
+    def bos_ids(self) -> list[int]:
+        """The tokens the model expects first (its BOS where the vocabulary adds one)."""
+        return [int(C.llama_vocab_bos(self._vocab))] if C.llama_vocab_get_add_bos(self._vocab) else []
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]:
+        """Token ids of ``text``, no BOS added; ``special`` parses control tokens like ``<|im_end|>``."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            arr = (C.llama_token * cap)()
+            n = C.llama_tokenize(self._vocab, data, len(data), arr, cap, False, special)
+            if n >= 0:
+                return list(arr[:n])
+            cap = -n
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (control tokens render as nothing)."""
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = C.llama_token_to_piece(self._vocab, token, buf, size, 0, False)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._vocab, token))
+
+    # -- decode -----------------------------------------------------------------------------------
+    def decode(
+        self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int], outputs: Sequence[bool]
+    ) -> np.ndarray:
+        """Decode tokens (any number; split into ``n_batch`` chunks) and return the requested logits.
+
+        ``tokens``, ``positions``, ``seq_ids``, ``outputs`` are parallel. Returns ``[sum(outputs),
+        n_vocab]`` float32 in input order. On a failure the chunks already decoded stay in the cache
+        (llama.cpp semantics); callers re-read ``seq_pos_range`` to know what is there.
+        """
+        ctx = self._live()
+        n = len(tokens)
+        if not (len(positions) == len(seq_ids) == len(outputs) == n):
+            raise ValueError("decode: tokens, positions, seq_ids and outputs must have the same length")
+        rows: list[np.ndarray] = []
+        batch = self._batch
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            batch.n_tokens = m
+            for i in range(m):
+                j = start + i
+                batch.token[i] = tokens[j]
+                batch.pos[i] = positions[j]
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq_ids[j]
+                batch.logits[i] = 1 if outputs[j] else 0
+            rc = int(C.llama_decode(ctx, batch))
+            if rc == 1:
+                raise KVCacheFullError(
+                    f"llama_decode found no free KV cells for {m} tokens (pool of {self.n_ctx}): "
+                    "close idle sessions, shorten prompts, or load the engine with a larger n_ctx"
+                )
+            if rc != 0:
+                raise BackendError(f"llama_decode returned {rc} ({'aborted' if rc == 2 else 'invalid batch or fatal error'})")
+            for i in range(m):
+                if outputs[start + i]:
+                    ptr = C.llama_get_logits_ith(ctx, i)
+                    if not ptr:
+                        raise BackendError(f"llama_get_logits_ith({i}) returned NULL")
+                    rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+        if not rows:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        return np.stack(rows)
+
+    # -- sequence operations ----------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int, p1: int) -> None:
+        """Remove positions ``[p0, p1)`` of ``seq`` (negative = open end)."""
+        self._live()
+        if not C.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise BackendError(f"llama_memory_seq_rm(seq={seq}, {p0}, {p1}) refused a partial removal")
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Make ``dst`` hold ``src``'s cells at ``[p0, p1)`` (shared cells in a unified pool: never shift them)."""
+        self._live()
+        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        """Drop every cell not belonging to ``seq``."""
+        self._live()
+        C.llama_memory_seq_keep(self._mem, seq)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Shift positions ``[p0, p1)`` of ``seq`` by ``delta``; llama.cpp re-rotates K at the next decode."""
+        self._live()
+        if not self.can_shift:
+            raise BackendError("this model's KV cache cannot be shifted (llama_memory_can_shift is false)")
+        C.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        """(min, max) position held for ``seq``; (-1, -1) when empty."""
+        self._live()
+        return int(C.llama_memory_seq_pos_min(self._mem, seq)), int(C.llama_memory_seq_pos_max(self._mem, seq))
+
+    def seq_save(self, seq: int) -> bytes:
+        """One sequence's KV (and positions) as bytes, in llama.cpp's state format."""
+        ctx = self._live()
+        size = int(C.llama_state_seq_get_size(ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(C.llama_state_seq_get_data(ctx, buf, size, seq))
+        if n == 0:
+            raise BackendError(f"llama_state_seq_get_data(seq={seq}) wrote nothing")
+        return ctypes.string_at(buf, n)
+
+    def seq_restore(self, seq: int, data: bytes) -> None:
+        """Replace ``seq``'s KV by saved bytes, at the positions they were saved from."""
+        ctx = self._live()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(C.llama_state_seq_set_data(ctx, buf, len(data), seq)) == 0:
+            raise BackendError(
+                f"llama_state_seq_set_data(seq={seq}) refused {len(data)} bytes: not enough free KV cells, "
+                "or the bytes come from another model or context layout"
+            )

@@ -1,0 +1,118 @@
+"""A model's chat template reduced to per-role wrappers (open and closing tags).
+
+kvagent renders each segment as one message on its own (see ``segments.py``), so it needs, for every
+role, the text the template writes before and after a message's content. We obtain them from the
+model's own Jinja template (GGUF key ``tokenizer.chat_template``) by rendering sentinel conversations
+and cutting around the sentinels, the way the template itself would format them.
+
+Decisions, stated once: the template's default system prompt (SmolLM2 adds one when a conversation
+has none) is not rendered, since kvagent's policy segments are the system prompt; templates that have
+no system role (Gemma 3 folds it into the first user turn) get system segments wrapped as user
+messages; an assistant message opens with the template's generation prompt, so a generated turn and
+its later re-rendering are the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kvagent.errors import ChatTemplateError
+
+_U1, _U2, _A1, _A2, _S = "KVAU1X", "KVAU2X", "KVAA1X", "KVAA2X", "KVASYSX"
+
+
+@dataclass(frozen=True)
+class RoleWrap:
+    """Text written before (``open``) and after (``close``) a message of one role."""
+
+    open: str
+    close: str
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """Role wrappers and the generation prompt of one chat template."""
+
+    name: str
+    system: RoleWrap
+    user: RoleWrap
+    assistant: RoleWrap
+    generation_prompt: str
+
+    def wrap(self, role: str) -> RoleWrap:
+        try:
+            return {"system": self.system, "user": self.user, "assistant": self.assistant}[role]
+        except KeyError:
+            raise ChatTemplateError(f"unknown role {role!r}: use system, user or assistant") from None
+
+    @classmethod
+    def plain(cls) -> ChatFormat:
+        """No template: each segment is its text followed by a newline (base models, raw prompts)."""
+        line = RoleWrap("", "\n")
+        return cls("plain", line, line, line, "")
+
+    @classmethod
+    def from_template(cls, template: str, name: str = "model") -> ChatFormat:
+        """Derive the wrappers from a Jinja chat template; :class:`ChatTemplateError` if it cannot."""
+        render = _compile(template)
+
+        def conv(*pairs: tuple[str, str], gen: bool = False) -> str:
+            return render([{"role": r, "content": c} for r, c in pairs], gen)
+
+        try:
+            one = conv(("user", _U1))
+            gen_prompt = _after(conv(("user", _U1), gen=True), one)
+            full = conv(("user", _U1), ("assistant", _A1), ("user", _U2), ("assistant", _A2))
+            user_close = _between(full, _U2, _A2).removesuffix(gen_prompt)
+            asst_close = full[full.index(_A2) + len(_A2) :]
+            user_open = _between(full, _A1, _U2).removeprefix(asst_close)
+            if not gen_prompt or _between(full, _U1, _A1) != user_close + gen_prompt:
+                raise ChatTemplateError(f"the chat template of {name} does not wrap turns uniformly")
+            with_sys = conv(("system", _S), ("user", _U1), ("assistant", _A1))
+            sys_to_user = _between(with_sys, _S, _U1)
+            if sys_to_user.endswith(user_open) and user_open:
+                sys_close = sys_to_user.removesuffix(user_open)
+                sys_open = with_sys[: with_sys.index(_S)]
+                system = RoleWrap(sys_open, sys_close)
+            else:  # no system role in this template: a system segment becomes a user message
+                system = RoleWrap(user_open, user_close)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # jinja errors, missing sentinels: the template is not one we can split
+            raise ChatTemplateError(
+                f"cannot derive role wrappers from the chat template of {name} ({exc}); "
+                "open the session with chat=False to use plain text"
+            ) from exc
+        return cls(name, system, RoleWrap(user_open, user_close), RoleWrap(gen_prompt, asst_close), gen_prompt)
+
+
+def _compile(template: str) -> Any:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    compiled = env.from_string(template)
+
+    def render(messages: list[dict[str, str]], gen: bool) -> str:
+        # BOS is added by the tokenizer, never as template text.
+        return str(compiled.render(messages=messages, add_generation_prompt=gen, bos_token="", eos_token=""))
+
+    return render
+
+
+def _after(text: str, prefix: str) -> str:
+    if not text.startswith(prefix):
+        raise ChatTemplateError("the generation prompt is not appended after the conversation")
+    return text[len(prefix) :]
+
+
+def _between(text: str, left: str, right: str) -> str:
+    start = text.index(left) + len(left)
+    return text[start : text.index(right, start)]

@@ -1,0 +1,142 @@
+"""Engine: one loaded model shared by many sessions, each on its own sequence of one KV pool.
+
+The engine owns the backend, the renderers (chat template or plain text), a lock that serialises
+native calls (sessions may live on different threads: LangChain async, an HTTP server), and the
+allocation of sequence ids. It also lets a new session start from another live session's cached
+prefix (``seq_cp`` shares the cells), so a policy prefilled once serves every session that opens
+with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvagent.backends.base import BackendConfig
+from kvagent.chat_format import ChatFormat
+from kvagent.errors import ChatTemplateError, KVAgentError
+from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
+from kvagent.segments import Renderer, Segment, common_prefix
+
+if TYPE_CHECKING:
+    from kvagent.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class EngineSettings(BaseModel):
+    """Settings of an engine; unknown keys are refused with the list of valid ones."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = DEFAULT_MODEL
+    """Registry name (``smollm2-135m``, ``gemma3-270m``) or path of a local ``.gguf`` file."""
+    n_ctx: int = Field(4096, ge=32)
+    """KV pool size in tokens, shared by all sessions; also the longest one session can get."""
+    n_batch: int = Field(512, ge=1)
+    """Tokens per ``llama_decode`` call during prefill."""
+    n_ubatch: int = Field(512, ge=1)
+    """Physical micro-batch size."""
+    n_seq_max: int = Field(8, ge=1, le=256)
+    """How many sessions (sequences) can be open at once."""
+    n_threads: int = Field(0, ge=0)
+    """CPU threads; 0 = all cores."""
+    n_gpu_layers: int = 0
+    """Layers to offload to a GPU (llama.cpp built with CUDA/Metal); 0 = CPU only, -1 = all."""
+    flash_attn: bool = False
+    """Flash attention; off by default (faster here for short suffixes over a long cache)."""
+    swa_full: bool = True
+    """Keep full-size caches for sliding-window layers so sequence operations stay exact."""
+
+    def backend_config(self) -> BackendConfig:
+        return BackendConfig(**self.model_dump(exclude={"model"}))
+
+
+class Engine:
+    """A loaded model and the sessions that share it. Use :meth:`load`, then :meth:`session`."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        from kvagent.backends.llama_cpp import LlamaCppBackend
+
+        self.settings = settings
+        self.model: ModelRef = resolve_model(settings.model)
+        self.fingerprint = self.model.fingerprint
+        self.backend = LlamaCppBackend(self.model.path, settings.backend_config())
+        self.lock = threading.RLock()
+        self._free = list(range(self.backend.n_seq_max - 1, -1, -1))
+        self._sessions: dict[int, Session] = {}
+        self._renderers: dict[bool, Renderer] = {}
+
+    @classmethod
+    def load(cls, model: str | None = None, **settings: object) -> Engine:
+        """Load ``model`` (default ``smollm2-135m``) with optional :class:`EngineSettings` overrides."""
+        if model is not None:
+            settings["model"] = model
+        return cls(EngineSettings(**settings))  # type: ignore[arg-type]
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def session(self, segments: Iterable[Segment] = (), *, chat: bool = True) -> Session:
+        """Open a session on a free sequence; ``chat=False`` renders plain text instead of the template."""
+        from kvagent.session import Session
+
+        with self.lock:
+            renderer = self.renderer(chat)
+            if not self._free:
+                raise KVAgentError(
+                    f"all {self.backend.n_seq_max} sequences are in use: close a session or load the engine "
+                    "with a larger n_seq_max"
+                )
+            seq = self._free.pop()
+            self.backend.seq_rm(seq, -1, -1)
+            session = Session(self, seq, renderer, list(segments))
+            self._sessions[seq] = session
+            return session
+
+    def renderer(self, chat: bool) -> Renderer:
+        if chat not in self._renderers:
+            if chat:
+                template = self.backend.chat_template
+                if not template:
+                    raise ChatTemplateError(f"{self.model.name} has no chat template: open the session with chat=False")
+                fmt = ChatFormat.from_template(template, self.model.name)
+            else:
+                fmt = ChatFormat.plain()
+            self._renderers[chat] = Renderer(self.backend, fmt)
+        return self._renderers[chat]
+
+    def _release(self, seq: int) -> None:
+        with self.lock:
+            if self._sessions.pop(seq, None) is not None:
+                self.backend.seq_rm(seq, -1, -1)
+                self._free.append(seq)
+
+    def shared_prefix(self, tokens: tuple[int, ...], seq: int) -> tuple[int, int]:
+        """(source sequence, length) of the longest cached prefix of ``tokens`` held by another session."""
+        best = (-1, 0)
+        for other_seq, other in self._sessions.items():
+            if other_seq != seq:
+                n = common_prefix(other.tokens, tokens)
+                if n > best[1]:
+                    best = (other_seq, n)
+        return best
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every session, then free the model."""
+        with self.lock:
+            for session in list(self._sessions.values()):
+                session.close()
+            self.backend.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

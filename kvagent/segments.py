@@ -1,0 +1,259 @@
+"""Typed prompt segments and their rendering to token ids plus a span table.
+
+A prompt is an ordered list of :class:`Segment` (policy, skill, field, turn, memory, erratum). Each
+segment is rendered on its own, as one chat message wrapped in its role's tags, and tokenized on its
+own, so appending a segment never changes the tokens of earlier ones (the cached prefix stays valid)
+and every position of the cache belongs to exactly one segment: the span table is exact provenance,
+which the edit, transplant and eviction machinery rely on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol, Sequence
+
+from kvagent.chat_format import ChatFormat
+from kvagent.errors import SegmentOrderError
+
+
+class SegmentKind(str, Enum):
+    """What a segment is; decides default pinning and ordering rules."""
+
+    POLICY = "policy"
+    SKILL = "skill"
+    FIELD = "field"
+    TURN = "turn"
+    MEMORY = "memory"
+    ERRATUM = "erratum"
+
+
+# Kinds that eviction must never drop by default: the instructions and the state they depend on.
+_PINNED_BY_DEFAULT = {SegmentKind.POLICY, SegmentKind.FIELD, SegmentKind.ERRATUM}
+_ROLES = ("system", "user", "assistant")
+_ids = itertools.count()
+
+DEFAULT_FIELD_TEMPLATE = "{name}: {value}"
+DEFAULT_ERRATUM_TEMPLATE = "[STATE UPDATE] {name} -> {value}; overrides any previous value"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a prompt.
+
+    ``text`` is the body; ``role`` the chat role it is wrapped in (``system`` for everything but
+    turns). ``name`` is the field a FIELD declares or an ERRATUM updates, or a SKILL's name.
+    ``token_ids``, when given, are the body's exact tokens (e.g. what the model generated), used
+    instead of tokenizing ``text`` so a generated turn re-renders to the tokens already cached.
+    ``complete=False`` marks an assistant turn being generated: rendered without its closing tag.
+    """
+
+    kind: SegmentKind
+    text: str
+    role: str = "system"
+    name: str | None = None
+    id: str = ""
+    pinned: bool | None = None
+    token_ids: tuple[int, ...] | None = None
+    complete: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", f"{self.kind.value}-{next(_ids)}")
+        if self.pinned is None:
+            object.__setattr__(self, "pinned", self.kind in _PINNED_BY_DEFAULT)
+        if self.role not in _ROLES:
+            raise SegmentOrderError(f"segment {self.id!r}: unknown role {self.role!r}; use one of {', '.join(_ROLES)}")
+        if self.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM) and not self.name:
+            raise SegmentOrderError(f"segment {self.id!r}: a {self.kind.value} needs the field's name")
+
+    # Constructors: the readable way to build prompts.
+    @classmethod
+    def policy(cls, text: str, *, id: str = "") -> Segment:
+        return cls(SegmentKind.POLICY, text, id=id)
+
+    @classmethod
+    def skill(cls, name: str, text: str, *, id: str = "", pinned: bool = False) -> Segment:
+        return cls(SegmentKind.SKILL, text, name=name, id=id, pinned=pinned)
+
+    @classmethod
+    def field(cls, name: str, value: object, *, template: str = DEFAULT_FIELD_TEMPLATE, id: str = "") -> Segment:
+        return cls(SegmentKind.FIELD, template.format(name=name, value=value), name=name, id=id)
+
+    @classmethod
+    def memory(cls, text: str, *, id: str = "", pinned: bool = False) -> Segment:
+        return cls(SegmentKind.MEMORY, text, id=id, pinned=pinned)
+
+    @classmethod
+    def erratum(cls, name: str, value: object, *, template: str = DEFAULT_ERRATUM_TEMPLATE, id: str = "") -> Segment:
+        return cls(SegmentKind.ERRATUM, template.format(name=name, value=value), name=name, id=id)
+
+    @classmethod
+    def user(cls, text: str, *, id: str = "") -> Segment:
+        return cls(SegmentKind.TURN, text, role="user", id=id)
+
+    @classmethod
+    def assistant(cls, text: str, *, id: str = "", token_ids: Sequence[int] | None = None) -> Segment:
+        ids = tuple(token_ids) if token_ids is not None else None
+        return cls(SegmentKind.TURN, text, role="assistant", id=id, token_ids=ids)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Positions ``first..last`` (inclusive) of the cache hold segment ``segment_id``."""
+
+    segment_id: str
+    kind: SegmentKind
+    first: int
+    last: int
+    pinned: bool
+
+    @property
+    def length(self) -> int:
+        return self.last - self.first + 1
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Token ids of a prompt and its span table (one span per segment, in order, covering all)."""
+
+    tokens: tuple[int, ...]
+    spans: tuple[Span, ...]
+
+    def span_of(self, segment_id: str) -> Span:
+        for span in self.spans:
+            if span.segment_id == segment_id:
+                return span
+        raise KeyError(segment_id)
+
+    def segment_at(self, position: int) -> Span:
+        """The span that holds ``position``."""
+        for span in self.spans:
+            if span.first <= position <= span.last:
+                return span
+        raise IndexError(f"position {position} is outside the prompt (0..{len(self.tokens) - 1})")
+
+
+class Tokenizer(Protocol):
+    """What rendering needs from a model: text to ids, and the BOS convention."""
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]: ...
+
+    @property
+    def bos_ids(self) -> list[int]: ...
+
+
+def validate_order(segments: Sequence[Segment]) -> None:
+    """Raise :class:`SegmentOrderError` unless the segments form a prompt kvagent can render.
+
+    Rules: ids are unique; policies come first (they are the system prompt); fields are declared
+    before the first turn and at most once; an erratum updates a field declared before it; an
+    unfinished assistant turn can only be last.
+    """
+    seen_ids: set[str] = set()
+    fields: set[str] = set()
+    seen_other = False
+    seen_turn = False
+    for index, seg in enumerate(segments):
+        where = f"segment {index} ({seg.kind.value} {seg.id!r})"
+        if seg.id in seen_ids:
+            raise SegmentOrderError(f"{where}: the id is used twice; give each segment its own id")
+        seen_ids.add(seg.id)
+        if seg.kind is SegmentKind.POLICY:
+            if seen_other:
+                raise SegmentOrderError(f"{where}: policies must come before every other segment; move it to the front")
+            continue
+        seen_other = True
+        if seg.kind is SegmentKind.FIELD:
+            if seen_turn:
+                raise SegmentOrderError(
+                    f"{where}: fields are declared before the first turn; to change field {seg.name!r} later "
+                    "use an erratum (session.set)"
+                )
+            if seg.name in fields:
+                raise SegmentOrderError(f"{where}: field {seg.name!r} is declared twice")
+            fields.add(str(seg.name))
+        elif seg.kind is SegmentKind.ERRATUM and seg.name not in fields:
+            raise SegmentOrderError(f"{where}: it updates field {seg.name!r}, which is not declared before it")
+        elif seg.kind is SegmentKind.TURN:
+            seen_turn = True
+        if not seg.complete and index != len(segments) - 1:
+            raise SegmentOrderError(f"{where}: an unfinished assistant turn must be the last segment")
+
+
+class Renderer:
+    """Renders segments with one model's tokenizer and chat format; memoises per-segment tokens.
+
+    The memo is keyed by (role, text, complete): a long static policy is tokenized once per engine.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, chat_format: ChatFormat, max_memo: int = 4096) -> None:
+        self._tok = tokenizer
+        self.chat_format = chat_format
+        self._memo: dict[tuple[str, str, bool], tuple[int, ...]] = {}
+        self._max_memo = max_memo
+
+    def segment_tokens(self, seg: Segment) -> tuple[int, ...]:
+        """Token ids of one segment: open tag, body, closing tag (none while unfinished)."""
+        if seg.token_ids is not None:
+            return self._wrap(seg, seg.token_ids)
+        key = (seg.role, seg.text, seg.complete)
+        ids = self._memo.get(key)
+        if ids is None:
+            ids = self._wrap(seg, self._tok.tokenize(seg.text, special=False))
+            if len(self._memo) >= self._max_memo:
+                self._memo.clear()
+            self._memo[key] = ids
+        return ids
+
+    def _wrap(self, seg: Segment, body: Sequence[int]) -> tuple[int, ...]:
+        fmt = self.chat_format
+        opening = fmt.generation_prompt if (seg.role == "assistant") else fmt.wrap(seg.role).open
+        closing = fmt.wrap(seg.role).close if seg.complete else ""
+        return (*self._special(opening), *body, *self._special(closing))
+
+    def closing_length(self, role: str) -> int:
+        """Number of tokens of a role's closing tag."""
+        return len(self._special(self.chat_format.wrap(role).close))
+
+    def _special(self, text: str) -> list[int]:
+        return self._tok.tokenize(text, special=True) if text else []
+
+    def render(self, segments: Sequence[Segment]) -> Rendered:
+        """Token ids and span table of ``segments``; BOS (if the model adds one) opens the first span."""
+        if not segments:
+            raise SegmentOrderError("a prompt needs at least one segment")
+        validate_order(segments)
+        tokens: list[int] = list(self._tok.bos_ids)
+        spans: list[Span] = []
+        for seg in segments:
+            first = 0 if not spans else len(tokens)
+            tokens.extend(self.segment_tokens(seg))
+            if len(tokens) - 1 < first:
+                raise SegmentOrderError(f"segment {seg.id!r} renders to no tokens; give it some text")
+            spans.append(Span(seg.id, seg.kind, first, len(tokens) - 1, bool(seg.pinned)))
+        return Rendered(tuple(tokens), tuple(spans))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+__all__ = [
+    "DEFAULT_ERRATUM_TEMPLATE",
+    "DEFAULT_FIELD_TEMPLATE",
+    "Renderer",
+    "Rendered",
+    "Segment",
+    "SegmentKind",
+    "Span",
+    "Tokenizer",
+    "common_prefix",
+    "validate_order",
+]

@@ -1,0 +1,374 @@
+"""Session: one conversation's prompt and the sequence of KV that holds it.
+
+A session keeps an ordered list of segments and, in its backend sequence, the KV of exactly the tokens
+those segments render to (positions ``0..n-1``). Every call that changes the prompt re-renders it and
+*syncs*: the longest prefix already cached (in this sequence, or shared from another session) is
+reused, the rest is removed and decoded left to right. Each call reports reused vs computed tokens.
+At rest, ``session.tokens == session.rendered.tokens`` and the span table covers every cached position
+exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import numpy as np
+
+from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedError
+from kvagent.kvblob import KVBlob
+from kvagent.sampling import Sampler, SamplingParams
+from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix
+from kvagent.textstream import TextAssembler
+
+if TYPE_CHECKING:
+    from kvagent.engine import Engine
+
+log = logging.getLogger(__name__)
+_MAX_REMEMBERED_TURNS = 256
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    """What one sync cost: tokens reused from cache, tokens computed, wall time."""
+
+    reused: int
+    computed: int
+    seconds: float
+    shared: int = 0  # of the reused tokens, how many came from another session's cells
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generated assistant turn and what it cost.
+
+    ``finish_reason``: ``eos`` (the model ended its turn), ``stop`` (a stop string), ``length``
+    (``max_tokens`` reached). ``reused``/``computed`` count the prompt tokens of this call;
+    ``ttft_s`` is the time from the call to the first sampled token.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    reused: int
+    computed: int
+    ttft_s: float
+    total_s: float
+
+    @property
+    def generated(self) -> int:
+        return len(self.token_ids)
+
+
+class GenerationStream:
+    """Iterator of text pieces of one generation; :attr:`result` holds the :class:`Generation` at the end."""
+
+    def __init__(self) -> None:
+        self._pieces: Iterator[str] = iter(())
+        self.result: Generation | None = None
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+
+class Session:
+    """A prompt of segments kept alive as KV in one sequence. Open with ``engine.session(...)``."""
+
+    def __init__(self, engine: Engine, seq: int, renderer: Renderer, segments: list[Segment]) -> None:
+        self._engine = engine
+        self._backend = engine.backend
+        self.seq = seq
+        self._renderer = renderer
+        self._segments: list[Segment] = list(segments)
+        self._cached: tuple[int, ...] = ()
+        self._logits: np.ndarray | None = None  # next-token logits after the last cached position
+        self._rendered: Rendered | None = None
+        self._closed = False
+        # text of turns this session generated -> their exact tokens, so a client that sends the
+        # whole history back (OpenAI/LangChain style) re-renders to the tokens already cached
+        self._generated: dict[str, tuple[int, ...]] = {}
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return tuple(self._segments)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Token ids whose KV this session's sequence holds, at positions ``0..len-1``."""
+        return self._cached
+
+    @property
+    def rendered(self) -> Rendered:
+        """Tokens and span table of the current segments."""
+        if self._rendered is None:
+            self._rendered = self._renderer.render(self._segments)
+        return self._rendered
+
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        """Span table of the cached prompt: one span per segment, covering every position once."""
+        return self.rendered.spans
+
+    @property
+    def n_ctx(self) -> int:
+        return self._backend.n_ctx
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError(f"session on sequence {self.seq} is closed: open a new one with engine.session()")
+
+    # -- prompt -----------------------------------------------------------------------------------
+    def prefill(self) -> PrefillReport:
+        """Bring the cache in line with the current segments (reusing the cached prefix)."""
+        with self._engine.lock:
+            self._check_open()
+            return self._sync(self.rendered)
+
+    def extend(self, *segments: Segment) -> PrefillReport:
+        """Append segments and prefill them; refused (nothing changed) if the order is invalid or too long."""
+        return self.replace([*self._segments, *segments])
+
+    def replace(self, segments: Sequence[Segment]) -> PrefillReport:
+        """Make ``segments`` the whole prompt; the longest cached prefix is reused, the rest computed."""
+        with self._engine.lock:
+            self._check_open()
+            segments = [self._with_generated_ids(s) for s in segments]
+            rendered = self._renderer.render(segments)  # validates before anything changes
+            report = self._sync(rendered)
+            self._segments, self._rendered = segments, rendered
+            return report
+
+    def add_user(self, text: str) -> PrefillReport:
+        """Append a user turn and prefill it."""
+        return self.extend(Segment.user(text))
+
+    def _with_generated_ids(self, seg: Segment) -> Segment:
+        if seg.kind is SegmentKind.TURN and seg.role == "assistant" and seg.token_ids is None:
+            ids = self._generated.get(seg.text)
+            if ids is not None:
+                return replace(seg, token_ids=ids)
+        return seg
+
+    # -- the one place the cache changes ----------------------------------------------------------
+    def _sync(self, rendered: Rendered) -> PrefillReport:
+        """Make the sequence hold exactly ``rendered.tokens`` with next-token logits available."""
+        start = time.perf_counter()
+        new = rendered.tokens
+        if len(new) > self.n_ctx:
+            raise ContextOverflowError(
+                f"prompt of {len(new)} tokens does not fit the context of {self.n_ctx}: shorten it, or load the "
+                "engine with a larger n_ctx (nothing was cut or changed)"
+            )
+        keep = common_prefix(self._cached, new)
+        if keep == len(new) == len(self._cached) and self._logits is not None:
+            return PrefillReport(reused=keep, computed=0, seconds=time.perf_counter() - start)
+        keep = min(keep, len(new) - 1)  # the last token is always decoded: its logits are needed
+        shared_seq, shared = self._engine.shared_prefix(new, self.seq)
+        shared = min(shared, len(new) - 1)
+        backend = self._backend
+        backend.seq_rm(self.seq, keep, -1)
+        if shared > keep:
+            # copy (share) the other session's cells for the positions we lack
+            backend.seq_cp(shared_seq, self.seq, keep, shared)
+            gained, keep = shared - keep, shared
+        else:
+            gained = 0
+        self._cached, self._logits = new[:keep], None
+        todo = new[keep:]
+        try:
+            logits = backend.decode(
+                todo, range(keep, len(new)), [self.seq] * len(todo), [False] * (len(todo) - 1) + [True]
+            )
+        except KVAgentError:
+            # some chunks may have landed: record exactly what the sequence now holds
+            _, pos_max = backend.seq_pos_range(self.seq)
+            self._cached = new[: pos_max + 1]
+            raise
+        self._cached, self._logits = new, logits[-1]
+        report = PrefillReport(keep, len(todo), time.perf_counter() - start, gained)
+        log.debug("seq %d sync: reused %d (shared %d), computed %d", self.seq, keep, gained, len(todo))
+        return report
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(
+        self,
+        max_tokens: int = 128,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> Generation:
+        """Generate the assistant's next turn and keep it in the cache (see :meth:`stream`)."""
+        stream = self.stream(max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        for _ in stream:
+            pass
+        if stream.result is None:  # pragma: no cover - the iterator always sets it
+            raise KVAgentError("generation ended without a result")
+        return stream.result
+
+    def stream(
+        self,
+        max_tokens: int = 128,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> GenerationStream:
+        """Generate the next assistant turn as an iterator of text pieces.
+
+        Greedy when ``temperature == 0``; else temperature / top-k / top-p sampling with ``seed``.
+        Ends at the model's end-of-turn token, at a stop string (not included in the text), or after
+        ``max_tokens``. The finished turn becomes an assistant segment whose KV stays cached. If the
+        context fills up first, the turn is rolled back and :class:`ContextOverflowError` carries the
+        partial text.
+        """
+        self._check_open()
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
+        holder = GenerationStream()
+        holder._pieces = self._generate(max_tokens, sampler, list(stop), holder)
+        return holder
+
+    def _generate(
+        self, max_tokens: int, sampler: Sampler, stop: list[str], holder: GenerationStream
+    ) -> Iterator[str]:
+        start = time.perf_counter()
+        backend = self._backend
+        with self._engine.lock:
+            self._check_open()
+            before = list(self._segments)
+            pending = Segment(SegmentKind.TURN, "", role="assistant", complete=False)
+            rendered = self._renderer.render([*before, pending])
+            report = self._sync(rendered)
+            turn_start = rendered.spans[-1].first
+            # room kept for the closing tag, so a finished turn always fits
+            reserve = 1 + self._renderer.closing_length("assistant")
+            logits = self._require_logits()
+        out = TextAssembler(stop)
+        ids: list[int] = []
+        finish = "length"
+        ttft = 0.0
+        while True:
+            with self._engine.lock:
+                self._check_open()
+                token = sampler(logits)
+                if not ids:
+                    ttft = time.perf_counter() - start
+                if backend.is_eog(token):
+                    finish = "eos"
+                    break
+                ids.append(token)
+                piece = out.feed(backend.token_bytes(token))
+                if out.stopped:
+                    finish = "stop"
+                if out.stopped or len(ids) >= max_tokens:
+                    break
+                if len(self._cached) + reserve > self.n_ctx:
+                    self._rollback(turn_start, before)
+                    raise ContextOverflowError(
+                        f"the context of {self.n_ctx} tokens filled up after {len(ids)} generated tokens: the turn "
+                        "was rolled back; start a new session or load the engine with a larger n_ctx",
+                        partial=out.text,
+                    )
+                pos = len(self._cached)
+                logits = backend.decode([token], [pos], [self.seq], [True])[0]
+                self._cached = (*self._cached, token)
+                self._logits = logits
+            if piece:
+                yield piece
+        tail = out.flush()
+        if tail:
+            yield tail
+        with self._engine.lock:
+            text = out.text
+            # a stop string cut the text mid-token: its tokens are re-derived from the text
+            turn_ids = None if finish == "stop" else tuple(ids)
+            turn = Segment.assistant(text, token_ids=turn_ids)
+            if turn_ids is not None:
+                if len(self._generated) >= _MAX_REMEMBERED_TURNS:
+                    self._generated.clear()
+                self._generated[text] = turn_ids
+            self.replace([*before, turn])
+            holder.result = Generation(
+                text, tuple(ids), finish, report.reused, report.computed, ttft, time.perf_counter() - start
+            )
+
+    def _rollback(self, first: int, segments: list[Segment]) -> None:
+        self._backend.seq_rm(self.seq, first, -1)
+        self._cached, self._logits = self._cached[:first], None
+        self._segments, self._rendered = segments, None
+
+    def chat(self, user_text: str, max_tokens: int = 128, **sampling: object) -> Generation:
+        """Append a user turn and generate the reply (``sampling`` as in :meth:`generate`)."""
+        with self._engine.lock:
+            self.add_user(user_text)
+            return self.generate(max_tokens, **sampling)  # type: ignore[arg-type]
+
+    # -- logits, save, restore --------------------------------------------------------------------
+    def logits(self) -> np.ndarray:
+        """Next-token logits ``[n_vocab]`` after the cached prompt (prefills first if needed)."""
+        with self._engine.lock:
+            self._check_open()
+            self._sync(self.rendered)
+            return self._require_logits().copy()
+
+    def _require_logits(self) -> np.ndarray:
+        if self._logits is None:  # _sync always leaves them; this guards the invariant, not user input
+            raise KVAgentError(f"session on sequence {self.seq} has no logits after a sync (internal error)")
+        return self._logits
+
+    def save(self) -> bytes:
+        """This session's KV and prompt as a checked blob (see ``kvblob.KVBlob``)."""
+        with self._engine.lock:
+            self._check_open()
+            self._sync(self.rendered)
+            payload = self._backend.seq_save(self.seq)
+            return KVBlob(self._engine.fingerprint, self._backend.format, self._cached, payload).to_bytes()
+
+    def restore(self, blob: bytes, segments: Sequence[Segment]) -> None:
+        """Load KV saved by :meth:`save` for the prompt ``segments`` (which must render to its tokens).
+
+        Checks come first (model, format, checksum, tokens); a refused blob leaves the session as it was.
+        """
+        with self._engine.lock:
+            self._check_open()
+            parsed = KVBlob.from_bytes(blob, model_fingerprint=self._engine.fingerprint, backend_format=self._backend.format)
+            segments = list(segments)
+            rendered = self._renderer.render(segments)
+            if rendered.tokens != parsed.tokens:
+                n = common_prefix(rendered.tokens, parsed.tokens)
+                raise KVAgentError(
+                    f"the blob holds {len(parsed.tokens)} tokens that differ from the given segments' "
+                    f"{len(rendered.tokens)} from position {n}: pass the segments the blob was saved with"
+                )
+            self._backend.seq_restore(self.seq, parsed.payload)
+            self._segments, self._rendered = segments, rendered
+            self._cached, self._logits = parsed.tokens, None
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free this session's sequence; later calls raise :class:`SessionClosedError`."""
+        if not self._closed:
+            self._closed = True
+            self._engine._release(self.seq)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
