@@ -88,6 +88,17 @@ class ChatFormat:
         return cls(name, system, RoleWrap(user_open, user_close), RoleWrap(gen_prompt, asst_close), gen_prompt)
 
 
+# Formats for models whose GGUF carries no chat template (the Gemma 3 270M we ship has none), by
+# GGUF architecture: the family's documented turn format, as llama.cpp's built-in "gemma" template.
+_GEMMA_USER = RoleWrap("<start_of_turn>user\n", "<end_of_turn>\n")
+BUILTIN_FORMATS: dict[str, ChatFormat] = {
+    "gemma3": ChatFormat(
+        "gemma (built-in)", _GEMMA_USER, _GEMMA_USER, RoleWrap("<start_of_turn>model\n", "<end_of_turn>\n"),
+        "<start_of_turn>model\n",
+    ),
+}
+
+
 def _compile(template: str) -> Any:
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvagent.backends.base import BackendConfig
-from kvagent.chat_format import ChatFormat
+from kvagent.chat_format import BUILTIN_FORMATS, ChatFormat
 from kvagent.errors import ChatTemplateError, KVAgentError
 from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
 from kvagent.segments import Renderer, Segment, common_prefix
@@ -98,14 +98,24 @@ class Engine:
     def renderer(self, chat: bool) -> Renderer:
         if chat not in self._renderers:
             if chat:
-                template = self.backend.chat_template
-                if not template:
-                    raise ChatTemplateError(f"{self.model.name} has no chat template: open the session with chat=False")
-                fmt = ChatFormat.from_template(template, self.model.name)
+                fmt = self._chat_format()
             else:
                 fmt = ChatFormat.plain()
             self._renderers[chat] = Renderer(self.backend, fmt)
         return self._renderers[chat]
+
+    def _chat_format(self) -> ChatFormat:
+        template = self.backend.chat_template
+        if template:
+            return ChatFormat.from_template(template, self.model.name)
+        builtin = BUILTIN_FORMATS.get(self.backend.architecture)
+        if builtin is None:
+            raise ChatTemplateError(
+                f"{self.model.name} has no chat template and kvagent has no built-in one for architecture "
+                f"{self.backend.architecture!r}: open the session with chat=False"
+            )
+        log.info("%s has no chat template in its GGUF: using the built-in %s format", self.model.name, builtin.name)
+        return builtin
 
     def _release(self, seq: int) -> None:
         with self.lock:

@@ -2,7 +2,7 @@
 
 Layout: ``b"KVAG"``, a little-endian u32 header length, a JSON header, then the backend's payload.
 The header carries the model fingerprint, the backend format, the cached token ids, and the payload's
-length and sha256, so a blob from another model or backend format is refused by name, and a corrupt
+length; the last position's logits (float32) may follow the payload; a sha256 covers both, so a blob from another model or backend format is refused by name, and a corrupt
 or truncated blob is never handed to llama.cpp.
 """
 
@@ -27,6 +27,7 @@ class KVBlob:
     backend_format: str
     tokens: tuple[int, ...]
     payload: bytes
+    logits: bytes = b""  # float32 next-token logits after the last token, when the saver had them
 
     def to_bytes(self) -> bytes:
         header = json.dumps(
@@ -36,10 +37,11 @@ class KVBlob:
                 "format": self.backend_format,
                 "tokens": list(self.tokens),
                 "payload_len": len(self.payload),
-                "payload_sha256": hashlib.sha256(self.payload).hexdigest(),
+                "logits_len": len(self.logits),
+                "sha256": hashlib.sha256(self.payload + self.logits).hexdigest(),
             }
         ).encode()
-        return MAGIC + struct.pack("<I", len(header)) + header + self.payload
+        return MAGIC + struct.pack("<I", len(header)) + header + self.payload + self.logits
 
     @classmethod
     def from_bytes(cls, blob: bytes, *, model_fingerprint: str, backend_format: str) -> KVBlob:
@@ -49,8 +51,10 @@ class KVBlob:
         (hlen,) = struct.unpack("<I", blob[4:8])
         try:
             header = json.loads(blob[8 : 8 + hlen])
-            payload = blob[8 + hlen :]
             expected_len = int(header["payload_len"])
+            logits_len = int(header.get("logits_len", 0))
+            body = blob[8 + hlen :]
+            payload, logits = body[:expected_len], body[expected_len:]
             tokens = tuple(int(t) for t in header["tokens"])
         except (ValueError, KeyError, TypeError) as exc:
             raise KVBlobError(f"corrupt KV blob header ({exc}): save it again with session.save()") from exc
@@ -66,6 +70,6 @@ class KVBlob:
                 f"KV blob has backend format {header['format']!r}, this backend writes {backend_format!r}: "
                 "recompute it with this version"
             )
-        if len(payload) != expected_len or hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
+        if len(payload) != expected_len or len(logits) != logits_len or hashlib.sha256(body).hexdigest() != header.get("sha256"):
             raise KVBlobError("KV blob is corrupt or truncated (checksum mismatch): recompute it")
-        return cls(header["model"], header["format"], tokens, payload)
+        return cls(header["model"], header["format"], tokens, payload, logits)

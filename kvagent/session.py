@@ -209,9 +209,12 @@ class Session:
         top_k: int = 0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        user: str | None = None,
     ) -> Generation:
         """Generate the assistant's next turn and keep it in the cache (see :meth:`stream`)."""
-        stream = self.stream(max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        stream = self.stream(
+            max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, user=user
+        )
         for _ in stream:
             pass
         if stream.result is None:  # pragma: no cover - the iterator always sets it
@@ -227,12 +230,14 @@ class Session:
         top_k: int = 0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        user: str | None = None,
     ) -> GenerationStream:
         """Generate the next assistant turn as an iterator of text pieces.
 
         Greedy when ``temperature == 0``; else temperature / top-k / top-p sampling with ``seed``.
         Ends at the model's end-of-turn token, at a stop string (not included in the text), or after
-        ``max_tokens``. The finished turn becomes an assistant segment whose KV stays cached. If the
+        ``max_tokens``. ``user``, if given, is a user turn appended first (prefilled in the same pass,
+        so TTFT covers it). The finished turn becomes an assistant segment whose KV stays cached. If the
         context fills up first, the turn is rolled back and :class:`ContextOverflowError` carries the
         partial text.
         """
@@ -241,21 +246,23 @@ class Session:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         holder = GenerationStream()
-        holder._pieces = self._generate(max_tokens, sampler, list(stop), holder)
+        extra = [Segment.user(user)] if user is not None else []
+        holder._pieces = self._generate(max_tokens, sampler, list(stop), extra, holder)
         return holder
 
     def _generate(
-        self, max_tokens: int, sampler: Sampler, stop: list[str], holder: GenerationStream
+        self, max_tokens: int, sampler: Sampler, stop: list[str], extra: list[Segment], holder: GenerationStream
     ) -> Iterator[str]:
         start = time.perf_counter()
         backend = self._backend
         with self._engine.lock:
             self._check_open()
-            before = list(self._segments)
+            original = list(self._segments)
+            before = [*original, *extra]
             pending = Segment(SegmentKind.TURN, "", role="assistant", complete=False)
             rendered = self._renderer.render([*before, pending])
             report = self._sync(rendered)
-            turn_start = rendered.spans[-1].first
+            call_start = rendered.spans[len(original)].first  # where this call's segments begin
             # room kept for the closing tag, so a finished turn always fits
             reserve = 1 + self._renderer.closing_length("assistant")
             logits = self._require_logits()
@@ -276,21 +283,23 @@ class Session:
                 piece = out.feed(backend.token_bytes(token))
                 if out.stopped:
                     finish = "stop"
-                if out.stopped or len(ids) >= max_tokens:
-                    break
-                if len(self._cached) + reserve > self.n_ctx:
-                    self._rollback(turn_start, before)
+                done = out.stopped or len(ids) >= max_tokens
+                if not done and len(self._cached) + reserve > self.n_ctx:
+                    self._rollback(call_start, original)
                     raise ContextOverflowError(
                         f"the context of {self.n_ctx} tokens filled up after {len(ids)} generated tokens: the turn "
                         "was rolled back; start a new session or load the engine with a larger n_ctx",
                         partial=out.text,
                     )
-                pos = len(self._cached)
-                logits = backend.decode([token], [pos], [self.seq], [True])[0]
-                self._cached = (*self._cached, token)
-                self._logits = logits
+                if not done:
+                    pos = len(self._cached)
+                    logits = backend.decode([token], [pos], [self.seq], [True])[0]
+                    self._cached = (*self._cached, token)
+                    self._logits = logits
             if piece:
                 yield piece
+            if done:
+                break
         tail = out.flush()
         if tail:
             yield tail
@@ -314,10 +323,8 @@ class Session:
         self._segments, self._rendered = segments, None
 
     def chat(self, user_text: str, max_tokens: int = 128, **sampling: object) -> Generation:
-        """Append a user turn and generate the reply (``sampling`` as in :meth:`generate`)."""
-        with self._engine.lock:
-            self.add_user(user_text)
-            return self.generate(max_tokens, **sampling)  # type: ignore[arg-type]
+        """Append a user turn and generate the reply in one pass (``sampling`` as in :meth:`generate`)."""
+        return self.generate(max_tokens, user=user_text, **sampling)  # type: ignore[arg-type]
 
     # -- logits, save, restore --------------------------------------------------------------------
     def logits(self) -> np.ndarray:
@@ -338,7 +345,8 @@ class Session:
             self._check_open()
             self._sync(self.rendered)
             payload = self._backend.seq_save(self.seq)
-            return KVBlob(self._engine.fingerprint, self._backend.format, self._cached, payload).to_bytes()
+            logits = self._require_logits().astype(np.float32).tobytes()
+            return KVBlob(self._engine.fingerprint, self._backend.format, self._cached, payload, logits).to_bytes()
 
     def restore(self, blob: bytes, segments: Sequence[Segment]) -> None:
         """Load KV saved by :meth:`save` for the prompt ``segments`` (which must render to its tokens).
@@ -356,9 +364,12 @@ class Session:
                     f"the blob holds {len(parsed.tokens)} tokens that differ from the given segments' "
                     f"{len(rendered.tokens)} from position {n}: pass the segments the blob was saved with"
                 )
+            logits = np.frombuffer(parsed.logits, dtype=np.float32).copy() if parsed.logits else None
+            if logits is not None and logits.shape != (self._backend.n_vocab,):
+                raise KVAgentError(f"the blob's logits have {logits.size} entries, the model {self._backend.n_vocab}")
             self._backend.seq_restore(self.seq, parsed.payload)
             self._segments, self._rendered = segments, rendered
-            self._cached, self._logits = parsed.tokens, None
+            self._cached, self._logits = parsed.tokens, logits
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -26,16 +26,20 @@ from kvagent.errors import BackendError, KVCacheFullError
 
 log = logging.getLogger(__name__)
 _native_log = logging.getLogger("kvagent.llama_cpp.native")
-# ggml log levels -> logging levels; llama.cpp's INFO is load-time chatter, kept at DEBUG
-_LEVELS = {2: logging.WARNING, 3: logging.ERROR}
+# ggml log levels (ggml.h: 1 debug, 2 info, 3 warn, 4 error, 5 continuation) -> logging levels;
+# INFO is load-time chatter, kept at DEBUG
+_LEVELS = {3: logging.INFO, 4: logging.ERROR}  # its warnings are mostly load-time notices
+_last_level = [logging.DEBUG]
 
 
 @C.llama_log_callback
 def _forward_native_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     # llama.cpp prints to stderr by default; route it into logging, where INFO chatter is hidden.
     msg = text.decode("utf-8", errors="replace").rstrip()
+    if level != 5:
+        _last_level[0] = _LEVELS.get(level, logging.DEBUG)
     if msg:
-        _native_log.log(_LEVELS.get(level, logging.DEBUG), msg)
+        _native_log.log(_last_level[0], msg)
 
 
 _initialised = False

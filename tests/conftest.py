@@ -1,0 +1,24 @@
+"""Shared fixtures: one engine per real model for the whole run (loading is the slow part)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+MODELS = ["smollm2-135m", "gemma3-270m"]
+
+
+@pytest.fixture(scope="session", params=MODELS)
+def engine(request: pytest.FixtureRequest) -> Iterator["object"]:
+    from kvagent import Engine
+
+    eng = Engine.load(request.param, n_ctx=2048, n_seq_max=6)
+    yield eng
+    eng.close()
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(a64 @ b64 / (np.linalg.norm(a64) * np.linalg.norm(b64)))

@@ -1,0 +1,105 @@
+"""Segment ordering rules and span bookkeeping (pure logic: a character-level fake tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvagent.chat_format import ChatFormat
+from kvagent.errors import SegmentOrderError
+from kvagent.segments import Renderer, Segment, SegmentKind, common_prefix
+
+
+class CharTokenizer:
+    """One token per character; special text gets negative ids so it is told apart."""
+
+    bos_ids = [0]
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]:
+        return [-ord(c) if special else ord(c) for c in text]
+
+
+FMT = ChatFormat.from_template(
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+P, F = Segment.policy("be nice", id="p"), Segment.field("status", "open", id="f")
+U, A = Segment.user("hi", id="u"), Segment.assistant("hello", id="a")
+
+ORDER_CASES = [
+    # (segments, error substring or None)
+    ([P, F, U, A], None),
+    ([P, Segment.skill("faq", "q&a", id="s"), F, U, Segment.erratum("status", "closed", id="e")], None),
+    ([U, A, Segment.memory("likes tea", id="m")], None),
+    ([F, P], "policies must come before"),
+    ([P, U, F], "fields are declared before the first turn"),
+    ([P, F, Segment.field("status", "x", id="f2")], "declared twice"),
+    ([P, Segment.erratum("status", "closed", id="e")], "not declared before it"),
+    ([P, P], "id is used twice"),
+    ([P, Segment(SegmentKind.TURN, "", role="assistant", complete=False, id="x"), U], "must be the last"),
+]
+
+
+@pytest.mark.parametrize(("segments", "error"), ORDER_CASES)
+def test_order_rules(segments: list[Segment], error: str | None) -> None:
+    renderer = Renderer(CharTokenizer(), FMT)
+    if error is None:
+        renderer.render(segments)
+    else:
+        with pytest.raises(SegmentOrderError, match=error):
+            renderer.render(segments)
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [[P], [P, F, U, A], [U], [P, F, U, A, Segment.erratum("status", "closed", id="e"), Segment.user("again", id="u2")]],
+)
+def test_spans_cover_every_position_once(segments: list[Segment]) -> None:
+    rendered = Renderer(CharTokenizer(), FMT).render(segments)
+    covered = [p for s in rendered.spans for p in range(s.first, s.last + 1)]
+    assert covered == list(range(len(rendered.tokens)))
+    assert [s.segment_id for s in rendered.spans] == [s.id for s in segments]
+    assert rendered.spans[0].first == 0 and rendered.tokens[0] == 0  # BOS opens the first span
+
+
+def test_segment_text_is_wrapped_by_role() -> None:
+    rendered = Renderer(CharTokenizer(), FMT).render([P, U])
+    span = rendered.span_of("u")
+    body = rendered.tokens[span.first : span.last + 1]
+    assert body == (*(-ord(c) for c in "<user>"), *(ord(c) for c in "hi"), *(-ord(c) for c in "</user>"))
+    assert rendered.segment_at(span.first).segment_id == "u"
+
+
+def test_token_ids_override_and_unfinished_turn() -> None:
+    renderer = Renderer(CharTokenizer(), FMT)
+    done = renderer.render([U, Segment.assistant("ignored", id="a", token_ids=[7, 8])])
+    pending = renderer.render([U, Segment(SegmentKind.TURN, "", role="assistant", complete=False, id="a")])
+    gen = tuple(-ord(c) for c in "<assistant>")
+    assert done.tokens[done.span_of("a").first :] == (*gen, 7, 8, *(-ord(c) for c in "</assistant>"))
+    assert pending.tokens[pending.span_of("a").first :] == gen
+
+
+@pytest.mark.parametrize(
+    ("kind_factory", "pinned"),
+    [(lambda: Segment.policy("x"), True), (lambda: Segment.field("a", 1), True), (lambda: Segment.user("x"), False),
+     (lambda: Segment.skill("s", "x"), False), (lambda: Segment.skill("s", "x", pinned=True), True),
+     (lambda: Segment.erratum("a", 2), True), (lambda: Segment.memory("x"), False)],
+)
+def test_default_pinning(kind_factory, pinned: bool) -> None:  # type: ignore[no-untyped-def]
+    assert kind_factory().pinned is pinned
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [(lambda: Segment(SegmentKind.TURN, "x", role="tool"), "unknown role"),
+     (lambda: Segment(SegmentKind.FIELD, "x"), "needs the field's name"),
+     (lambda: Renderer(CharTokenizer(), FMT).render([]), "at least one segment")],
+)
+def test_bad_segments_are_refused(bad, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SegmentOrderError, match=match):
+        bad()
+
+
+@pytest.mark.parametrize(("a", "b", "n"), [((), (1,), 0), ((1, 2, 3), (1, 2, 4), 2), ((1, 2), (1, 2), 2), ((5,), (6,), 0)])
+def test_common_prefix(a: tuple[int, ...], b: tuple[int, ...], n: int) -> None:
+    assert common_prefix(a, b) == n
