@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Iterable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +23,8 @@ from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
 from kvagent.segments import Renderer, Segment, common_prefix
 
 if TYPE_CHECKING:
+    from kvagent.edits import EditStrategy
+    from kvagent.fields import FieldSpec
     from kvagent.session import Session
 
 log = logging.getLogger(__name__)
@@ -78,22 +81,54 @@ class Engine:
         return cls(EngineSettings(**settings))  # type: ignore[arg-type]
 
     # -- sessions ---------------------------------------------------------------------------------
-    def session(self, segments: Iterable[Segment] = (), *, chat: bool = True) -> Session:
-        """Open a session on a free sequence; ``chat=False`` renders plain text instead of the template."""
+    def session(
+        self,
+        segments: Iterable[Segment] = (),
+        *,
+        chat: bool = True,
+        fields: Sequence[FieldSpec] = (),
+        edit_strategy: str | EditStrategy = "erratum",
+        compact_after: int | None = None,
+    ) -> Session:
+        """Open a session on a free sequence.
+
+        ``chat=False`` renders plain text instead of the chat template. ``fields`` are specs that
+        validate ``session.set``; ``edit_strategy`` is the default way edits reach the KV (see
+        ``kvagent.edits``); ``compact_after`` folds errata back into the fields once more than that many
+        have accumulated.
+        """
         from kvagent.session import Session
 
         with self.lock:
             renderer = self.renderer(chat)
-            if not self._free:
-                raise KVAgentError(
-                    f"all {self.backend.n_seq_max} sequences are in use: close a session or load the engine "
-                    "with a larger n_seq_max"
-                )
-            seq = self._free.pop()
-            self.backend.seq_rm(seq, -1, -1)
-            session = Session(self, seq, renderer, list(segments))
+            seq = self._take_sequence("a session")
+            session = Session(
+                self, seq, renderer, list(segments), fields=fields, edit_strategy=edit_strategy,
+                compact_after=compact_after,
+            )
             self._sessions[seq] = session
             return session
+
+    def _take_sequence(self, purpose: str) -> int:
+        if not self._free:
+            raise KVAgentError(
+                f"no free sequence for {purpose}: all {self.backend.n_seq_max} are in use; close a session or "
+                "load the engine with a larger n_seq_max"
+            )
+        seq = self._free.pop()
+        self.backend.seq_rm(seq, -1, -1)
+        return seq
+
+    @contextmanager
+    def scratch(self) -> Iterator[int]:
+        """A temporary sequence (for splicing KV left to right), emptied and freed on exit."""
+        with self.lock:
+            seq = self._take_sequence("a scratch copy")
+            try:
+                yield seq
+            finally:
+                self.backend.seq_rm(seq, -1, -1)
+                self._free.append(seq)
 
     def renderer(self, chat: bool) -> Renderer:
         if chat not in self._renderers:
@@ -128,7 +163,8 @@ class Engine:
         best = (-1, 0)
         for other_seq, other in self._sessions.items():
             if other_seq != seq:
-                n = common_prefix(other.tokens, tokens)
+                # never share stale cells (kept by a field-only or selective edit): only the clean prefix
+                n = common_prefix(other.tokens[: other.clean_prefix], tokens)
                 if n > best[1]:
                     best = (other_seq, n)
         return best

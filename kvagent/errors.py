@@ -50,3 +50,7 @@ class KVBlobError(KVAgentError):
 
 class ChatTemplateError(KVAgentError):
     """The model's chat template could not be turned into role wrappers."""
+
+
+class FieldValueError(KVAgentError):
+    """``session.set`` named an unknown field or a value the field's spec does not allow."""

@@ -10,7 +10,7 @@ which the edit, transplant and eviction machinery rely on.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Protocol, Sequence
 
@@ -47,6 +47,7 @@ class Segment:
     ``token_ids``, when given, are the body's exact tokens (e.g. what the model generated), used
     instead of tokenizing ``text`` so a generated turn re-renders to the tokens already cached.
     ``complete=False`` marks an assistant turn being generated: rendered without its closing tag.
+    FIELD and ERRATUM segments also keep their ``value`` and ``template`` so they can be re-rendered.
     """
 
     kind: SegmentKind
@@ -57,6 +58,8 @@ class Segment:
     pinned: bool | None = None
     token_ids: tuple[int, ...] | None = None
     complete: bool = True
+    value: object = None  # a FIELD's or ERRATUM's value
+    template: str | None = None  # how a FIELD/ERRATUM renders: str.format with {name} and {value}
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -79,7 +82,8 @@ class Segment:
 
     @classmethod
     def field(cls, name: str, value: object, *, template: str = DEFAULT_FIELD_TEMPLATE, id: str = "") -> Segment:
-        return cls(SegmentKind.FIELD, template.format(name=name, value=value), name=name, id=id)
+        text = template.format(name=name, value=value)
+        return cls(SegmentKind.FIELD, text, name=name, id=id, value=value, template=template)
 
     @classmethod
     def memory(cls, text: str, *, id: str = "", pinned: bool = False) -> Segment:
@@ -87,11 +91,22 @@ class Segment:
 
     @classmethod
     def erratum(cls, name: str, value: object, *, template: str = DEFAULT_ERRATUM_TEMPLATE, id: str = "") -> Segment:
-        return cls(SegmentKind.ERRATUM, template.format(name=name, value=value), name=name, id=id)
+        text = template.format(name=name, value=value)
+        return cls(SegmentKind.ERRATUM, text, name=name, id=id, value=value, template=template)
+
+    def with_value(self, value: object) -> Segment:
+        """The same FIELD (same id and template) holding another value."""
+        template = self.template or DEFAULT_FIELD_TEMPLATE
+        return replace(self, value=value, text=template.format(name=self.name, value=value), token_ids=None)
 
     @classmethod
     def user(cls, text: str, *, id: str = "") -> Segment:
         return cls(SegmentKind.TURN, text, role="user", id=id)
+
+    @classmethod
+    def reply(cls) -> Segment:
+        """An unfinished assistant turn: the generation prompt, after which the model answers."""
+        return cls(SegmentKind.TURN, "", role="assistant", complete=False)
 
     @classmethod
     def assistant(cls, text: str, *, id: str = "", token_ids: Sequence[int] | None = None) -> Segment:

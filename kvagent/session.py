@@ -13,18 +13,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedError
+from kvagent.errors import ContextOverflowError, FieldValueError, KVAgentError, SessionClosedError
 from kvagent.kvblob import KVBlob
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix
 from kvagent.textstream import TextAssembler
 
 if TYPE_CHECKING:
+    from kvagent.edits import EditReport, EditStrategy
     from kvagent.engine import Engine
+    from kvagent.fields import FieldSpec
 
 log = logging.getLogger(__name__)
 _MAX_REMEMBERED_TURNS = 256
@@ -79,7 +81,19 @@ class GenerationStream:
 class Session:
     """A prompt of segments kept alive as KV in one sequence. Open with ``engine.session(...)``."""
 
-    def __init__(self, engine: Engine, seq: int, renderer: Renderer, segments: list[Segment]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        seq: int,
+        renderer: Renderer,
+        segments: list[Segment],
+        *,
+        fields: Sequence[FieldSpec] = (),
+        edit_strategy: str | EditStrategy = "erratum",
+        compact_after: int | None = None,
+    ) -> None:
+        from kvagent.edits import get_strategy
+
         self._engine = engine
         self._backend = engine.backend
         self.seq = seq
@@ -92,6 +106,13 @@ class Session:
         # text of turns this session generated -> their exact tokens, so a client that sends the
         # whole history back (OpenAI/LangChain style) re-renders to the tokens already cached
         self._generated: dict[str, tuple[int, ...]] = {}
+        self._specs: dict[str, FieldSpec] = {spec.name: spec for spec in fields}
+        self._strategy = get_strategy(edit_strategy)
+        if compact_after is not None and compact_after < 1:
+            raise ValueError(f"compact_after must be >= 1 (or None to never compact), got {compact_after}")
+        self._compact_after = compact_after
+        # positions whose KV was deliberately left stale by a field-only / selective edit
+        self._stale: frozenset[int] = frozenset()
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -118,6 +139,29 @@ class Session:
     def spans(self) -> tuple[Span, ...]:
         """Span table of the cached prompt: one span per segment, covering every position once."""
         return self.rendered.spans
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self._engine.fingerprint
+
+    @property
+    def stale_positions(self) -> frozenset[int]:
+        """Cached positions whose KV predates an edit upstream of them (kept by field-only / selective)."""
+        return self._stale
+
+    @property
+    def clean_prefix(self) -> int:
+        """Length of the cached prefix with no stale position: what may be shared with other sessions."""
+        return min(self._stale) if self._stale else len(self._cached)
+
+    @property
+    def field_values(self) -> dict[str, object]:
+        """Current value of every field: the declared value, overridden by the latest erratum."""
+        values: dict[str, object] = {}
+        for seg in self._segments:
+            if seg.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM):
+                values[str(seg.name)] = seg.value
+        return values
 
     @property
     def n_ctx(self) -> int:
@@ -177,6 +221,7 @@ class Session:
         shared = min(shared, len(new) - 1)
         backend = self._backend
         backend.seq_rm(self.seq, keep, -1)
+        self._stale = frozenset(p for p in self._stale if p < keep)
         if shared > keep:
             # copy (share) the other session's cells for the positions we lack
             backend.seq_cp(shared_seq, self.seq, keep, shared)
@@ -198,6 +243,123 @@ class Session:
         report = PrefillReport(keep, len(todo), time.perf_counter() - start, gained)
         log.debug("seq %d sync: reused %d (shared %d), computed %d", self.seq, keep, gained, len(todo))
         return report
+
+    # -- edits (kvagent.edits; source paper A, DESIGN.md) ------------------------------------------
+    def set(self, name: str, value: object, *, strategy: str | EditStrategy | None = None) -> EditReport:
+        """Change one field's value through an edit strategy (default: the session's, ``erratum``)."""
+        return self.set_many({name: value}, strategy=strategy)
+
+    def set_many(
+        self, changes: Mapping[str, object], *, strategy: str | EditStrategy | None = None
+    ) -> EditReport:
+        """Change several fields at once. Every name and value is checked before any KV changes."""
+        from kvagent.edits import get_strategy
+
+        with self._engine.lock:
+            self._check_open()
+            checked = self._check_changes(changes)
+            chosen = self._strategy if strategy is None else get_strategy(strategy)
+            report = chosen.apply(self, checked)
+            n_errata = sum(seg.kind is SegmentKind.ERRATUM for seg in self._segments)
+            if self._compact_after is not None and n_errata > self._compact_after:
+                self.compact()
+            return report
+
+    def _check_changes(self, changes: Mapping[str, object]) -> dict[str, object]:
+        declared = {str(seg.name) for seg in self._segments if seg.kind is SegmentKind.FIELD}
+        if not changes:
+            raise FieldValueError("no field to set: pass at least one name and value")
+        checked: dict[str, object] = {}
+        for name, value in changes.items():
+            if name not in declared:
+                known = ", ".join(sorted(declared)) or "none"
+                raise FieldValueError(f"unknown field {name!r}: this session's fields are {known}")
+            spec = self._specs.get(name)
+            checked[name] = spec.check(value) if spec is not None else value
+        return checked
+
+    def compact(self) -> PrefillReport:
+        """Fold every erratum back into its field and rebuild from the first changed field.
+
+        Long-lived sessions would otherwise grow by one line per update. The prompt keeps its policy
+        and turns; only the KV after the first changed field is recomputed.
+        """
+        with self._engine.lock:
+            self._check_open()
+            values = self.field_values
+            folded = [
+                seg.with_value(values[str(seg.name)]) if seg.kind is SegmentKind.FIELD else seg
+                for seg in self._segments
+                if seg.kind is not SegmentKind.ERRATUM
+            ]
+            return self.replace(folded)
+
+    def splice_field(
+        self, name: str, value: object, refresh: Callable[[Rendered, Span], Iterable[int]] | None = None
+    ) -> PrefillReport:
+        """Rewrite one field's KV in place, keeping the downstream KV stale except ``refresh`` positions.
+
+        ``refresh(old_rendered, old_field_span)`` names downstream positions (old coordinates) to
+        recompute in context; every other downstream cell keeps the KV computed with the old value
+        (shifted by RoPE if the field's token length changed) and is listed in ``stale_positions``.
+        Built left to right (llama.cpp accepts tokens only at ``pos_max + 1``): the downstream KV is
+        parked in a scratch sequence, the field decoded fresh, then runs of parked cells copied back
+        and refreshed positions decoded in order. Used by the ``field_only`` and ``selective`` edits.
+        """
+        with self._engine.lock:
+            self._check_open()
+            start = time.perf_counter()
+            old = self.rendered
+            if self._cached != old.tokens:
+                self._sync(old)
+            index = next(i for i, seg in enumerate(self._segments) if seg.kind is SegmentKind.FIELD and seg.name == name)
+            segments = list(self._segments)
+            segments[index] = segments[index].with_value(value)
+            new = self._renderer.render(segments)
+            if len(new.tokens) > self.n_ctx:
+                raise ContextOverflowError(f"the edited prompt of {len(new.tokens)} tokens exceeds the context of {self.n_ctx}")
+            first, last = old.spans[index].first, old.spans[index].last
+            delta = new.spans[index].last - last
+            n_old, n_new = len(old.tokens), len(new.tokens)
+            picked = set(refresh(old, old.spans[index])) if refresh is not None else set()
+            fresh = {p + delta for p in picked if last < p < n_old} | set(range(first, last + delta + 1))
+            backend = self._backend
+            with self._engine.scratch() as park:
+                if last + 1 < n_old:
+                    if delta == 0:  # positions unchanged: share the cells, no copy
+                        backend.seq_cp(self.seq, park, last + 1, n_old)
+                    else:  # a shift moves every sharer of a cell: give the parked run its own cells first
+                        backend.seq_restore(park, backend.seq_save(self.seq))
+                        backend.seq_rm(park, 0, last + 1)
+                        backend.seq_add(park, last + 1, -1, delta)
+                backend.seq_rm(self.seq, first, -1)
+                self._cached, self._logits = new.tokens[:first], None
+                self._segments, self._rendered = segments, new
+                old_stale = self._stale
+                self._stale = frozenset(p for p in old_stale if p < first)
+                computed = 0
+                pos = first
+                try:
+                    while pos < n_new:
+                        run_fresh = pos in fresh
+                        end = pos
+                        while end < n_new and (end in fresh) == run_fresh:
+                            end += 1
+                        if run_fresh:
+                            n = end - pos
+                            backend.decode(new.tokens[pos:end], range(pos, end), [self.seq] * n, [False] * n)
+                            computed += n
+                        else:
+                            backend.seq_cp(park, self.seq, pos, end)
+                        pos = end
+                except KVAgentError:
+                    # the prompt holds the new value; its KV from the field on will be recomputed
+                    backend.seq_rm(self.seq, first, -1)
+                    raise
+            self._cached = new.tokens
+            kept = frozenset(p for p in range(last + delta + 1, n_new) if p not in fresh)
+            self._stale = self._stale | kept
+            return PrefillReport(reused=first + len(kept), computed=computed, seconds=time.perf_counter() - start)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(
@@ -370,6 +532,7 @@ class Session:
             self._backend.seq_restore(self.seq, parsed.payload)
             self._segments, self._rendered = segments, rendered
             self._cached, self._logits = parsed.tokens, logits
+            self._stale = frozenset()  # stale marks are not part of a blob: save sessions after a clean sync
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,35 @@
+"""Edit strategies: how ``session.set`` turns a field's new value into KV (source paper A, DESIGN.md).
+
+``erratum`` (default) appends a state-update line; ``recompute`` rebuilds from the field (the oracle);
+``field_only`` rewrites only the field's KV; ``selective`` rewrites the field and the top-K downstream
+positions by causal effect.
+"""
+
+from __future__ import annotations
+
+from kvagent.edits.base import EditReport, EditStrategy
+from kvagent.edits.erratum import Erratum
+from kvagent.edits.field_only import FieldOnly
+from kvagent.edits.recompute import Recompute
+from kvagent.edits.selective import Selective
+from kvagent.errors import KVAgentError
+
+STRATEGIES: dict[str, type[EditStrategy]] = {
+    "erratum": Erratum,
+    "recompute": Recompute,
+    "field_only": FieldOnly,
+    "selective": Selective,
+}
+
+
+def get_strategy(strategy: str | EditStrategy) -> EditStrategy:
+    """A strategy instance from a name or an instance; unknown names list the valid ones."""
+    if isinstance(strategy, EditStrategy):
+        return strategy
+    try:
+        return STRATEGIES[strategy]()
+    except KeyError:
+        raise KVAgentError(f"unknown edit strategy {strategy!r}: use one of {', '.join(STRATEGIES)}") from None
+
+
+__all__ = ["STRATEGIES", "EditReport", "EditStrategy", "Erratum", "FieldOnly", "Recompute", "Selective", "get_strategy"]

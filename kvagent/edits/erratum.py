@@ -1,0 +1,32 @@
+"""Erratum edit: append one salient line per changed field; nothing earlier is recomputed.
+
+Source paper A (DESIGN.md, "Models take notes during prefill"): the field-conditioned conclusion lives
+in downstream tokens' KV, so rewriting the field alone is ignored; an appended
+``[STATE UPDATE] field -> value; overrides any previous value`` line recovered the full-recompute
+decision (1.00) while the whole prefix stays valid for prefix caching. Later errata for the same field
+supersede earlier ones (the latest line wins in ``session.field_values``, and the wording says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from kvagent.edits.base import EditReport, EditStrategy
+from kvagent.segments import DEFAULT_ERRATUM_TEMPLATE, Segment
+
+if TYPE_CHECKING:
+    from kvagent.session import Session
+
+
+@dataclass
+class Erratum(EditStrategy):
+    """Append ``template.format(name=..., value=...)`` as a system-role segment per field."""
+
+    template: str = DEFAULT_ERRATUM_TEMPLATE
+    name: str = "erratum"
+
+    def apply(self, session: Session, changes: Mapping[str, object]) -> EditReport:
+        lines = [Segment.erratum(name, value, template=self.template) for name, value in changes.items()]
+        report = session.extend(*lines)
+        return self._report(session, changes, report.reused, report.computed, report.seconds)

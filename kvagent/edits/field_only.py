@@ -1,0 +1,38 @@
+"""Field-only edit: rewrite the field's own KV and keep every downstream position's stale KV.
+
+The naive edit of source paper A (DESIGN.md), kept for measurement: the paper finds it ignored by the
+model (recovery ~0 without chain-of-thought) because downstream "note" tokens carry the old
+conclusion. On our small models it mostly works (DESIGN.md, measured before kvagent); the edit
+benchmark reports what it does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+
+from kvagent.edits.base import EditReport, EditStrategy
+
+if TYPE_CHECKING:
+    from kvagent.segments import Rendered, Span
+    from kvagent.session import Session
+
+Refresh = Callable[["Rendered", "Span"], Iterable[int]]
+
+
+@dataclass
+class FieldOnly(EditStrategy):
+    name: str = "field_only"
+
+    def apply(self, session: Session, changes: Mapping[str, object]) -> EditReport:
+        reused = computed = 0
+        seconds = 0.0
+        refresh = self.refresh(session)
+        for field, value in changes.items():  # one field at a time: each splice re-reads the spans
+            r = session.splice_field(field, value, refresh)
+            reused, computed, seconds = r.reused, computed + r.computed, seconds + r.seconds
+        return self._report(session, changes, reused, computed, seconds)
+
+    def refresh(self, session: Session) -> Refresh | None:
+        """Which downstream positions to recompute with the field; none for the field-only edit."""
+        return None
