@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -54,6 +55,56 @@ def demo(
     reused = sum(r.reused for r in rows)
     computed = sum(r.computed for r in rows)
     console.print(f"{reused} of {reused + computed} prompt tokens ({reused / (reused + computed):.0%}) came from the cache.")
+
+
+bench_app = typer.Typer(help="Benchmarks: write JSON and a plot to bench/results/.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+edits_app = typer.Typer(help="Edit strategies: calibration of the selective edit.", no_args_is_help=True)
+app.add_typer(edits_app, name="edits")
+
+
+def _models(model: str | None) -> list[str]:
+    from kvagent.models import REGISTRY
+
+    return [model] if model else list(REGISTRY)
+
+
+@bench_app.command("edit")
+def bench_edit(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="A few cases per template (about 3 minutes)."),
+    cases: int = typer.Option(100, help="Cases per template and model (ignored with --quick)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/edit.json)."),
+) -> None:
+    """Every edit strategy against a full recompute: recovery on flips, edit-to-first-token vs re-prefill."""
+    import sys
+
+    from rich.progress import Progress
+
+    from kvagent.bench import edit
+
+    json_path = json_path or (edit.RESULTS_DIR / ("edit-quick.json" if quick else "edit.json"))
+    n_cases, latency_tokens, reps = (6, 2000, 1) if quick else (cases, 2000, 3)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("edit benchmark", total=None)
+        rows = edit.run(
+            _models(model), n_cases, latency_tokens, reps, json_path, " ".join(["kvagent", *sys.argv[1:]]),
+            progress=lambda msg: progress.update(task, description=msg),
+        )
+    plot_path = json_path.with_suffix(".png")
+    edit.plot(rows, plot_path)
+    table = Table(title=f"edit strategies vs full recompute ({json_path}, {plot_path})")
+    for col in ("model", "template", "strategy", "cases", "flips", "recovery", "clear flips", "recovery (clear)",
+                "edit->token s", "re-prefill s", "speedup"):
+        table.add_column(col)
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        table.add_row(
+            r["model"], r["template"], r["strategy"], str(r["n_cases"]), fmt(r["n_flips"], "d"),
+            fmt(r["recovery"], ".2f"), fmt(r.get("n_clear_flips"), "d"), fmt(r.get("recovery_clear"), ".2f"),
+            f"{r['edit_to_token_s']:.3f}", f"{r['reprefill_s']:.3f}", f"{r['speedup']:.1f}x",
+        )
+    console.print(table)
 
 
 @app.command()

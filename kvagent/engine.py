@@ -89,13 +89,15 @@ class Engine:
         fields: Sequence[FieldSpec] = (),
         edit_strategy: str | EditStrategy = "erratum",
         compact_after: int | None = None,
+        share_prefix: bool = True,
     ) -> Session:
         """Open a session on a free sequence.
 
         ``chat=False`` renders plain text instead of the chat template. ``fields`` are specs that
         validate ``session.set``; ``edit_strategy`` is the default way edits reach the KV (see
         ``kvagent.edits``); ``compact_after`` folds errata back into the fields once more than that many
-        have accumulated.
+        have accumulated. ``share_prefix=False`` never starts from another session's cells (a cold
+        prefill, as benchmarks and oracles need).
         """
         from kvagent.session import Session
 
@@ -104,7 +106,7 @@ class Engine:
             seq = self._take_sequence("a session")
             session = Session(
                 self, seq, renderer, list(segments), fields=fields, edit_strategy=edit_strategy,
-                compact_after=compact_after,
+                compact_after=compact_after, share_prefix=share_prefix,
             )
             self._sessions[seq] = session
             return session

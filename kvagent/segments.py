@@ -243,10 +243,11 @@ class Renderer:
         tokens: list[int] = list(self._tok.bos_ids)
         spans: list[Span] = []
         for seg in segments:
-            first = 0 if not spans else len(tokens)
+            first = 0 if not spans else len(tokens)  # BOS belongs to the first span
             tokens.extend(self.segment_tokens(seg))
-            if len(tokens) - 1 < first:
+            if len(tokens) - 1 < first and seg.complete:
                 raise SegmentOrderError(f"segment {seg.id!r} renders to no tokens; give it some text")
+            # an unfinished turn may be empty (plain text has no generation prompt): an empty span
             spans.append(Span(seg.id, seg.kind, first, len(tokens) - 1, bool(seg.pinned)))
         return Rendered(tuple(tokens), tuple(spans))
 

@@ -91,6 +91,7 @@ class Session:
         fields: Sequence[FieldSpec] = (),
         edit_strategy: str | EditStrategy = "erratum",
         compact_after: int | None = None,
+        share_prefix: bool = True,
     ) -> None:
         from kvagent.edits import get_strategy
 
@@ -111,6 +112,7 @@ class Session:
         if compact_after is not None and compact_after < 1:
             raise ValueError(f"compact_after must be >= 1 (or None to never compact), got {compact_after}")
         self._compact_after = compact_after
+        self._share_prefix = share_prefix
         # positions whose KV was deliberately left stale by a field-only / selective edit
         self._stale: frozenset[int] = frozenset()
 
@@ -217,7 +219,7 @@ class Session:
         if keep == len(new) == len(self._cached) and self._logits is not None:
             return PrefillReport(reused=keep, computed=0, seconds=time.perf_counter() - start)
         keep = min(keep, len(new) - 1)  # the last token is always decoded: its logits are needed
-        shared_seq, shared = self._engine.shared_prefix(new, self.seq)
+        shared_seq, shared = self._engine.shared_prefix(new, self.seq) if self._share_prefix else (-1, 0)
         shared = min(shared, len(new) - 1)
         backend = self._backend
         backend.seq_rm(self.seq, keep, -1)

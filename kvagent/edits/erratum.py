@@ -9,7 +9,7 @@ supersede earlier ones (the latest line wins in ``session.field_values``, and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from kvagent.edits.base import EditReport, EditStrategy
@@ -21,12 +21,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class Erratum(EditStrategy):
-    """Append ``template.format(name=..., value=...)`` as a system-role segment per field."""
+    """Append ``template.format(name=..., value=...)`` as a system-role segment per field.
+
+    ``per_field`` overrides the template for named fields (a line that mirrors the field's own
+    phrasing is more salient to small models; DESIGN.md: "the rendering of an erratum is a design
+    problem").
+    """
 
     template: str = DEFAULT_ERRATUM_TEMPLATE
+    per_field: Mapping[str, str] = field(default_factory=dict)
     name: str = "erratum"
 
     def apply(self, session: Session, changes: Mapping[str, object]) -> EditReport:
-        lines = [Segment.erratum(name, value, template=self.template) for name, value in changes.items()]
+        lines = [
+            Segment.erratum(name, value, template=self.per_field.get(name, self.template))
+            for name, value in changes.items()
+        ]
         report = session.extend(*lines)
         return self._report(session, changes, report.reused, report.computed, report.seconds)

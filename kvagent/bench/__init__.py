@@ -1,0 +1,1 @@
+"""Benchmarks (``kvagent bench ...``): each writes JSON and a plot to ``bench/results/``."""

@@ -1,0 +1,27 @@
+"""What every benchmark shares: where results go, the machine description, median, JSON writing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+RESULTS_DIR = Path("bench/results")
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}"
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def write_json(path: Path, command: str, rows: list[dict[str, Any]], **extra: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"command": command, "machine": machine(), "created": time.strftime("%Y-%m-%d %H:%M:%S"), **extra, "rows": rows}
+    path.write_text(json.dumps(doc, indent=1, default=float))

@@ -1,0 +1,236 @@
+"""``kvagent bench edit``: every edit strategy against a full recompute, on a decision suite.
+
+For each case (``edit_suite``): prefill the prompt, save its KV, then for each strategy restore the KV,
+apply the edit, append the question and read the decision. The oracle is ``recompute``; a *flip* is a
+case whose oracle decision differs from the decision before the edit, and recovery is counted over
+flips only (cases without a flip are no evidence). A cold prefill of the oracle's final context in a
+fresh sequence gives the re-prefill time and the noise check: on these Q4 models the same tokens in
+another KV layout shift logits by up to ~1 (DESIGN.md), so decisions with a margin below
+``NEAR_TIE`` logits are reported apart ("clear" flips have both margins above it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from kvagent.bench.common import RESULTS_DIR, median, write_json
+from kvagent.bench.edit_suite import TEMPLATES, Case, Template, long_notes, make_cases
+from kvagent.edits import EditStrategy, Erratum
+from kvagent.edits.calibration import load_calibration
+from kvagent.edits.selective import DEFAULT_K
+from kvagent.engine import Engine
+from kvagent.segments import Segment
+from kvagent.session import Session
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("erratum", "field_only", "selective", "recompute")
+NEAR_TIE = 1.0
+
+
+@dataclass
+class Decider:
+    """Restricted argmax over the answers' first tokens (answers whose first tokens collide are dropped)."""
+
+    tokens: dict[str, int]
+
+    @classmethod
+    def build(cls, engine: Engine, answers: Iterable[str]) -> Decider:
+        tokens: dict[str, int] = {}
+        for answer in answers:
+            tok = engine.backend.tokenize(answer, special=False)[0]
+            if tok in tokens.values():
+                log.info("answer %r shares its first token with another one: left out", answer)
+                continue
+            tokens[answer] = tok
+        return cls(tokens)
+
+    def __call__(self, logits: np.ndarray) -> tuple[str, float]:
+        """(decision, margin between the best and second-best candidate logits)."""
+        scored = sorted(((float(logits[t]), a) for a, t in self.tokens.items()), reverse=True)
+        return scored[0][1], scored[0][0] - scored[1][0]
+
+
+@dataclass
+class CaseResult:
+    before: str
+    before_margin: float
+    oracle: str
+    oracle_margin: float
+    cold: str
+    reprefill_s: float
+    decisions: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    context_tokens: int = 0
+
+    @property
+    def flipped(self) -> bool:
+        return self.oracle != self.before
+
+    @property
+    def clear(self) -> bool:
+        return self.before_margin >= NEAR_TIE and self.oracle_margin >= NEAR_TIE
+
+
+def _probe(question: str) -> tuple[Segment, Segment]:
+    return Segment.user(question), Segment.reply()
+
+
+def _strategy(case: Case, name: str) -> str | EditStrategy:
+    # the erratum line mirrors each field's phrasing (edit_suite.FieldFormat.erratum)
+    return Erratum(per_field=case.erratum_templates) if name == "erratum" else name
+
+
+def _edit_and_decide(session: Session, case: Case, strategy: str, decide: Decider) -> tuple[str, float, float]:
+    start = time.perf_counter()
+    session.set_many(case.changes, strategy=_strategy(case, strategy))
+    session.extend(*_probe(case.question))
+    logits = session.logits()
+    seconds = time.perf_counter() - start
+    decision, margin = decide(logits)
+    return decision, margin, seconds
+
+
+def run_case(engine: Engine, session: Session, case: Case, decide: Decider, strategies: Iterable[str]) -> CaseResult:
+    session.replace(list(case.segments))
+    segments, blob = list(session.segments), session.save()
+    session.extend(*_probe(case.question))
+    before, before_margin = decide(session.logits())
+    session.restore(blob, segments)
+    oracle, oracle_margin, oracle_s = _edit_and_decide(session, case, "recompute", decide)
+    final = list(session.segments)
+    with engine.session(final, share_prefix=False, chat=False) as cold:
+        start = time.perf_counter()
+        cold_decision, _ = decide(cold.logits())
+        reprefill = time.perf_counter() - start
+        context = len(cold.tokens)
+    result = CaseResult(before, before_margin, oracle, oracle_margin, cold_decision, reprefill, context_tokens=context)
+    result.decisions["recompute"], result.seconds["recompute"] = oracle, oracle_s
+    for strategy in strategies:
+        if strategy == "recompute":
+            continue
+        session.restore(blob, segments)
+        decision, _, seconds = _edit_and_decide(session, case, strategy, decide)
+        result.decisions[strategy], result.seconds[strategy] = decision, seconds
+    return result
+
+
+def summarise(model: str, template: str, results: list[CaseResult], strategies: Iterable[str]) -> list[dict[str, Any]]:
+    flips = [r for r in results if r.flipped]
+    clear = [r for r in flips if r.clear]
+    rows = []
+    for strategy in strategies:
+        def recovered(rs: list[CaseResult]) -> float | None:
+            return sum(r.decisions[strategy] == r.oracle for r in rs) / len(rs) if rs else None
+
+        edit_s = median([r.seconds[strategy] for r in results])
+        reprefill_s = median([r.reprefill_s for r in results])
+        rows.append({
+            "model": model, "template": template, "strategy": strategy, "n_cases": len(results),
+            "n_flips": len(flips), "flip_rate": len(flips) / len(results) if results else None,
+            "recovery": recovered(flips), "n_clear_flips": len(clear), "recovery_clear": recovered(clear),
+            "noise_disagreements": sum(r.cold != r.oracle for r in results),
+            "context_tokens": median([r.context_tokens for r in results]),
+            "edit_to_token_s": edit_s, "reprefill_s": reprefill_s, "speedup": reprefill_s / edit_s,
+        })
+    return rows
+
+
+def latency_rows(engine: Engine, model: str, target_tokens: int, reps: int, strategies: Iterable[str]) -> list[dict[str, Any]]:
+    """Edit-to-first-token vs a cold re-prefill for one ~``target_tokens`` context (medians of ``reps``)."""
+    template = TEMPLATES["lookup"]
+    decide = Decider.build(engine, template.answers)
+    base = make_cases(template, 1)[0]
+    n_sentences = target_tokens // 12
+    renderer = engine.renderer(False)
+    while True:
+        segments = (*base.segments[:-1], Segment.memory("Notes: " + long_notes(n_sentences)))
+        size = len(renderer.render([*segments, *_probe(base.question)]).tokens)
+        if size >= target_tokens:
+            break
+        n_sentences += max(1, (target_tokens - size) // 12)
+    case = Case("latency", segments, base.before, base.changes, base.question, base.erratum_templates)
+    per: dict[str, list[float]] = {s: [] for s in strategies}
+    reprefill: list[float] = []
+    with engine.session(share_prefix=False, chat=False) as session:
+        for _ in range(reps):
+            result = run_case(engine, session, case, decide, strategies)
+            reprefill.append(result.reprefill_s)
+            for s in strategies:
+                per[s].append(result.seconds[s])
+    return [
+        {"model": model, "template": f"latency-{target_tokens}", "strategy": s, "n_cases": reps, "n_flips": None,
+         "recovery": None, "context_tokens": size, "edit_to_token_s": median(per[s]), "reprefill_s": median(reprefill),
+         "speedup": median(reprefill) / median(per[s])}
+        for s in strategies
+    ]
+
+
+def run(
+    models: list[str], n_cases: int, latency_tokens: int, latency_reps: int, json_path: Path,
+    command: str, progress: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    selective_k: dict[str, Any] = {}
+    for model in models:
+        with Engine.load(model, n_ctx=4 * latency_tokens + 1024, n_seq_max=4) as engine:
+            cal = load_calibration(engine.fingerprint)
+            selective_k[model] = {"k": cal.k if cal else DEFAULT_K, "calibrated": cal is not None}
+            for template in TEMPLATES.values():
+                decide = Decider.build(engine, template.answers)
+                cases = [c for c in make_cases(template, n_cases) if _answerable(c, template, decide)]
+                results = []
+                with engine.session(share_prefix=False, chat=False) as session:
+                    for i, case in enumerate(cases):
+                        results.append(run_case(engine, session, case, decide, STRATEGIES))
+                        progress(f"{model} {template.name} {i + 1}/{len(cases)}")
+                rows += summarise(model, template.name, results, STRATEGIES)
+            progress(f"{model} latency at {latency_tokens} tokens")
+            rows += latency_rows(engine, model, latency_tokens, latency_reps, STRATEGIES)
+        write_json(json_path, command, rows, near_tie_logits=NEAR_TIE, selective=selective_k)
+    return rows
+
+
+def _answerable(case: Case, template: Template, decide: Decider) -> bool:
+    after = {**case.before, **case.changes}
+    return template.answer(case.before) in decide.tokens and template.answer(after) in decide.tokens
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Recovery per strategy, grouped by model and template (bars), flip counts in the labels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(r["model"], r["template"]) for r in rows if r["recovery"] is not None and r["strategy"] == "erratum"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    width = 0.8 / len(STRATEGIES)
+    for j, strategy in enumerate(STRATEGIES):
+        values = []
+        for model, template in groups:
+            row = next(r for r in rows if (r["model"], r["template"], r["strategy"]) == (model, template, strategy))
+            values.append(row["recovery"])
+        ax.bar([i + j * width for i in range(len(groups))], values, width, label=strategy)
+    labels = []
+    for model, template in groups:
+        row = next(r for r in rows if (r["model"], r["template"]) == (model, template))
+        labels.append(f"{model}\n{template}\n({row['n_flips']} flips)")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], labels, fontsize=7)
+    ax.set_ylabel("recovery of the full-recompute decision")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("Edit strategies vs full recompute (cases where the edit flips the decision)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+DEFAULT_JSON = RESULTS_DIR / "edit.json"
