@@ -65,6 +65,7 @@ class CaseResult:
     oracle_margin: float
     cold: str
     reprefill_s: float
+    truth: str = ""  # the right answer after the edit
     decisions: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     context_tokens: int = 0
@@ -97,7 +98,9 @@ def _edit_and_decide(session: Session, case: Case, strategy: str, decide: Decide
     return decision, margin, seconds
 
 
-def run_case(engine: Engine, session: Session, case: Case, decide: Decider, strategies: Iterable[str]) -> CaseResult:
+def run_case(
+    engine: Engine, session: Session, case: Case, decide: Decider, strategies: Iterable[str], truth: str = ""
+) -> CaseResult:
     session.replace(list(case.segments))
     segments, blob = list(session.segments), session.save()
     session.extend(*_probe(case.question))
@@ -110,7 +113,7 @@ def run_case(engine: Engine, session: Session, case: Case, decide: Decider, stra
         cold_decision, _ = decide(cold.logits())
         reprefill = time.perf_counter() - start
         context = len(cold.tokens)
-    result = CaseResult(before, before_margin, oracle, oracle_margin, cold_decision, reprefill, context_tokens=context)
+    result = CaseResult(before, before_margin, oracle, oracle_margin, cold_decision, reprefill, truth, context_tokens=context)
     result.decisions["recompute"], result.seconds["recompute"] = oracle, oracle_s
     for strategy in strategies:
         if strategy == "recompute":
@@ -135,6 +138,8 @@ def summarise(model: str, template: str, results: list[CaseResult], strategies: 
             "model": model, "template": template, "strategy": strategy, "n_cases": len(results),
             "n_flips": len(flips), "flip_rate": len(flips) / len(results) if results else None,
             "recovery": recovered(flips), "n_clear_flips": len(clear), "recovery_clear": recovered(clear),
+            # share of all cases whose decision is the right answer after the edit (the oracle errs too)
+            "accuracy": sum(r.decisions[strategy] == r.truth for r in results) / len(results) if results else None,
             "noise_disagreements": sum(r.cold != r.oracle for r in results),
             "context_tokens": median([r.context_tokens for r in results]),
             "edit_to_token_s": edit_s, "reprefill_s": reprefill_s, "speedup": reprefill_s / edit_s,
@@ -188,7 +193,8 @@ def run(
                 results = []
                 with engine.session(share_prefix=False, chat=False) as session:
                     for i, case in enumerate(cases):
-                        results.append(run_case(engine, session, case, decide, STRATEGIES))
+                        truth = template.answer({**case.before, **case.changes})
+                        results.append(run_case(engine, session, case, decide, STRATEGIES, truth))
                         progress(f"{model} {template.name} {i + 1}/{len(cases)}")
                 rows += summarise(model, template.name, results, STRATEGIES)
             progress(f"{model} latency at {latency_tokens} tokens")

@@ -53,7 +53,11 @@ class FieldFormat:
 
     pool: list[str]
     template: str  # str.format with {name} and {value}
-    erratum: str  # the erratum line for this field
+    # The erratum line for this field: the record line restated with the new value. Of four renderings
+    # tried on 13-14 cases per template and model ("[STATE UPDATE] ... -> v; overrides any previous
+    # value", "[STATE UPDATE] field -> v", "Correction: ...", the restated record line) the restated
+    # line gave the most correct answers on both models (e.g. SmolLM2 lookup 12/14 vs 7/14).
+    erratum: str
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class Template:
         """Instructions plus three worked examples; the last one shows a state update winning."""
         lines = [
             "Answer each question from the record above it. "
-            "A [STATE UPDATE] line replaces the value it names; the latest value counts.",
+            "When a record line is repeated with a new value, the latest line counts.",
             "",
         ]
         for shot in range(3):
@@ -93,7 +97,7 @@ TEMPLATES: dict[str, Template] = {
     "derived": Template(
         "derived",
         {"customer_country": FieldFormat(list(CAPITALS), "Record: The customer lives in {value}.",
-                                         "[STATE UPDATE] The customer now lives in {value}; this overrides any previous value.")},
+                                         "Record: The customer lives in {value}.")},
         ("customer_country",),
         "What is the capital of the country where the customer lives?",
         lambda v: CAPITALS[v["customer_country"]], list(CAPITALS.values()),
@@ -101,7 +105,7 @@ TEMPLATES: dict[str, Template] = {
     "lookup": Template(
         "lookup",
         {"order_status": FieldFormat(STATUSES, "Record: The order status is {value}.",
-                                     "[STATE UPDATE] The order status is now {value}; this overrides any previous value.")},
+                                     "Record: The order status is {value}.")},
         ("order_status",),
         "What is the order status?",
         lambda v: v["order_status"], STATUSES,
@@ -110,9 +114,9 @@ TEMPLATES: dict[str, Template] = {
         "multi",
         {
             "ticket_assignee": FieldFormat(NAMES, "Record: The ticket is assigned to {value}.",
-                                           "[STATE UPDATE] The ticket is now assigned to {value}; this overrides any previous value."),
+                                           "Record: The ticket is assigned to {value}."),
             "ticket_priority": FieldFormat(PRIORITIES, "Record: The ticket priority is {value}.",
-                                           "[STATE UPDATE] The ticket priority is now {value}; this overrides any previous value."),
+                                           "Record: The ticket priority is {value}."),
         },
         ("ticket_assignee", "ticket_priority"),
         "Who is the ticket assigned to?",
