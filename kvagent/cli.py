@@ -107,6 +107,33 @@ def bench_edit(
     console.print(table)
 
 
+@bench_app.command("backend")
+def bench_backend(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    prompt_tokens: int = typer.Option(1000, help="Prompt length to prefill."),
+    decode_tokens: int = typer.Option(64, help="Tokens to decode after it."),
+    reps: int = typer.Option(3, help="Repetitions (medians are reported)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/backend.json)."),
+) -> None:
+    """Prefill and decode throughput with flash attention off and on."""
+    import sys
+
+    from kvagent.bench import backend
+
+    json_path = json_path or backend.DEFAULT_JSON
+    with console.status("backend benchmark") as status:
+        rows = backend.run(_models(model), prompt_tokens, decode_tokens, reps, json_path,
+                           " ".join(["kvagent", *sys.argv[1:]]), progress=lambda m: status.update(m))
+    backend.plot(rows, json_path.with_suffix(".png"))
+    table = Table(title=f"llama.cpp backend throughput ({json_path})")
+    for col in ("model", "flash_attn", "prompt tokens", "prefill s", "prefill tok/s", "decode tok/s"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["model"], str(r["flash_attn"]), str(r["prompt_tokens"]), f"{r['prefill_s']:.2f}",
+                      f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}")
+    console.print(table)
+
+
 @edits_app.command("calibrate")
 def edits_calibrate(
     model: str = typer.Option(None, help="One model (default: every registry model)."),
@@ -124,6 +151,58 @@ def edits_calibrate(
             + ", ".join(f"{k}: {r:.2f}" for k, r in result["recovery_by_k"].items())
             + f"; {result['n_flips']} flips); strongest offsets after the field (offset, mean effect): {result['top_offsets']}"
         )
+
+
+skills_app = typer.Typer(help="Skills: compile YAML skills to KV once per model, list what is compiled.", no_args_is_help=True)
+app.add_typer(skills_app, name="skills")
+
+
+@skills_app.command("compile")
+def skills_compile(
+    paths: list[Path] = typer.Argument(None, help="Skill files or folders (default: skills/)."),
+    model: str = typer.Option("smollm2-135m", help="Registry name or path of a local .gguf file."),
+    plain: bool = typer.Option(False, help="Compile for plain-text sessions (chat=False) instead of chat ones."),
+) -> None:
+    """Prefill each skill once for MODEL and store its KV (content-addressed; unchanged skills are skipped)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvagent.engine import Engine
+    from kvagent.skills.spec import load_skills
+
+    try:
+        specs = load_skills(paths or [Path("skills")])
+        engine = Engine.load(model, n_ctx=16384, n_seq_max=2)
+    except KVAgentError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from exc
+    with engine, Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                          TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task(f"compiling for {engine.model.name}", total=len(specs))
+        renderer = engine.renderer(not plain)
+        for spec in specs:
+            progress.update(task, description=f"{spec.name}")
+            try:
+                skill, entry = engine.skills.compile(spec, renderer)
+            except KVAgentError as exc:
+                console.print(f"[red]error:[/] {spec.name}: {exc}")
+                raise typer.Exit(1) from exc
+            state = f"{entry.bytes / 1e6:.1f} MB" if entry else "already compiled"
+            progress.console.print(f"{spec.name}: {len(skill.tokens)} tokens, {state}")
+            progress.advance(task)
+
+
+@skills_app.command("list")
+def skills_list() -> None:
+    """Show compiled skills: name, version, model, tokens, size on disk."""
+    from kvagent.skills.store import SkillStore
+
+    store = SkillStore()
+    table = Table(title=f"compiled skills in {store.root}")
+    for col in ("name", "version", "model", "tokens", "size", "compiled", "key"):
+        table.add_column(col)
+    for e in store.entries():
+        table.add_row(e.name, e.version, e.model, str(e.n_tokens), f"{e.bytes / 1e6:.1f} MB", e.created, e.key[:12])
+    console.print(table)
 
 
 @app.command()

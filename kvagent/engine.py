@@ -24,6 +24,8 @@ from kvagent.segments import Renderer, Segment, common_prefix
 
 if TYPE_CHECKING:
     from kvagent.edits import EditStrategy
+    from kvagent.skills.fidelity import FidelityGuard
+    from kvagent.skills.library import SkillLibrary
     from kvagent.fields import FieldSpec
     from kvagent.session import Session
 
@@ -72,6 +74,7 @@ class Engine:
         self._free = list(range(self.backend.n_seq_max - 1, -1, -1))
         self._sessions: dict[int, Session] = {}
         self._renderers: dict[bool, Renderer] = {}
+        self._skills: SkillLibrary | None = None
 
     @classmethod
     def load(cls, model: str | None = None, **settings: object) -> Engine:
@@ -90,6 +93,7 @@ class Engine:
         edit_strategy: str | EditStrategy = "erratum",
         compact_after: int | None = None,
         share_prefix: bool = True,
+        fidelity: FidelityGuard | None = None,
     ) -> Session:
         """Open a session on a free sequence.
 
@@ -97,17 +101,22 @@ class Engine:
         validate ``session.set``; ``edit_strategy`` is the default way edits reach the KV (see
         ``kvagent.edits``); ``compact_after`` folds errata back into the fields once more than that many
         have accumulated. ``share_prefix=False`` never starts from another session's cells (a cold
-        prefill, as benchmarks and oracles need).
+        prefill, as benchmarks and oracles need). ``fidelity`` checks sampled transplants against a
+        recompute and falls back below its threshold.
         """
         from kvagent.session import Session
 
         with self.lock:
             renderer = self.renderer(chat)
             seq = self._take_sequence("a session")
-            session = Session(
-                self, seq, renderer, list(segments), fields=fields, edit_strategy=edit_strategy,
-                compact_after=compact_after, share_prefix=share_prefix,
-            )
+            try:
+                session = Session(
+                    self, seq, renderer, list(segments), fields=fields, edit_strategy=edit_strategy,
+                    compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity,
+                )
+            except Exception:  # a refused argument must not leak the sequence
+                self._free.append(seq)
+                raise
             self._sessions[seq] = session
             return session
 
@@ -140,6 +149,24 @@ class Engine:
                 fmt = ChatFormat.plain()
             self._renderers[chat] = Renderer(self.backend, fmt)
         return self._renderers[chat]
+
+    @property
+    def skills(self) -> SkillLibrary:
+        """This engine's compiled skills (store in ``cache_dir()/skills``), created on first use."""
+        if self._skills is None:
+            from kvagent.skills.library import SkillLibrary
+
+            self._skills = SkillLibrary(self)
+        return self._skills
+
+    @skills.setter
+    def skills(self, library: SkillLibrary) -> None:
+        """Use another library (e.g. one over a store in another folder)."""
+        self._skills = library
+
+    @property
+    def skills_if_loaded(self) -> SkillLibrary | None:
+        return self._skills
 
     def _chat_format(self) -> ChatFormat:
         template = self.backend.chat_template

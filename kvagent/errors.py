@@ -54,3 +54,11 @@ class ChatTemplateError(KVAgentError):
 
 class FieldValueError(KVAgentError):
     """``session.set`` named an unknown field or a value the field's spec does not allow."""
+
+
+class SkillFileError(KVAgentError):
+    """A skill file is unreadable or invalid; the message names the file, the line and the field."""
+
+
+class SkillStoreError(KVAgentError):
+    """A compiled skill is missing, corrupt, or was compiled for another model or backend format."""

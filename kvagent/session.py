@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from kvagent.textstream import TextAssembler
 
 if TYPE_CHECKING:
     from kvagent.edits import EditReport, EditStrategy
+    from kvagent.skills.fidelity import FidelityGuard
+    from kvagent.skills.library import CompiledSkill
+    from kvagent.skills.spec import SkillSpec
     from kvagent.engine import Engine
     from kvagent.fields import FieldSpec
 
@@ -40,6 +43,9 @@ class PrefillReport:
     computed: int
     seconds: float
     shared: int = 0  # of the reused tokens, how many came from another session's cells
+    transplanted: int = 0  # tokens whose KV was copied from a compiled skill (not computed)
+    fidelity: float | None = None  # cosine vs a recompute, when the fidelity guard checked this sync
+    fell_back: bool = False  # the guard found the transplant too far off and adopted the recompute
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class Session:
         edit_strategy: str | EditStrategy = "erratum",
         compact_after: int | None = None,
         share_prefix: bool = True,
+        fidelity: FidelityGuard | None = None,
     ) -> None:
         from kvagent.edits import get_strategy
 
@@ -113,6 +120,7 @@ class Session:
             raise ValueError(f"compact_after must be >= 1 (or None to never compact), got {compact_after}")
         self._compact_after = compact_after
         self._share_prefix = share_prefix
+        self._fidelity = fidelity
         # positions whose KV was deliberately left stale by a field-only / selective edit
         self._stale: frozenset[int] = frozenset()
 
@@ -194,6 +202,17 @@ class Session:
             self._segments, self._rendered = segments, rendered
             return report
 
+    def include(self, skill: SkillSpec) -> PrefillReport:
+        """Place a skill at the end of the prompt: compiled once per model, then transplanted (not prefilled).
+
+        The report's ``transplanted`` counts the tokens whose KV was copied; where the backend cannot
+        shift positions the skill is prefilled instead (``transplanted == 0``).
+        """
+        with self._engine.lock:
+            self._check_open()
+            segment = self._engine.skills.segment(skill, self._renderer)
+            return self.extend(segment)
+
     def add_user(self, text: str) -> PrefillReport:
         """Append a user turn and prefill it."""
         return self.extend(Segment.user(text))
@@ -221,6 +240,8 @@ class Session:
         keep = min(keep, len(new) - 1)  # the last token is always decoded: its logits are needed
         shared_seq, shared = self._engine.shared_prefix(new, self.seq) if self._share_prefix else (-1, 0)
         shared = min(shared, len(new) - 1)
+        start_at = max(keep, shared)
+        plan = self._plan(rendered, start_at)  # blobs are fetched and checked before the cache changes
         backend = self._backend
         backend.seq_rm(self.seq, keep, -1)
         self._stale = frozenset(p for p in self._stale if p < keep)
@@ -231,20 +252,77 @@ class Session:
         else:
             gained = 0
         self._cached, self._logits = new[:keep], None
-        todo = new[keep:]
+        computed = transplanted = 0
+        logits = None
         try:
-            logits = backend.decode(
-                todo, range(keep, len(new)), [self.seq] * len(todo), [False] * (len(todo) - 1) + [True]
-            )
+            for first, end, skill in plan:
+                if skill is not None:
+                    fresh, copied = self._engine.skills.transplant(self.seq, skill, first)
+                    computed, transplanted = computed + fresh, transplanted + copied
+                else:
+                    n = end - first
+                    outputs = [False] * (n - 1) + [end == len(new)]
+                    logits = backend.decode(new[first:end], range(first, end), [self.seq] * n, outputs)
+                    computed += n
+                self._cached = new[:end]
+            if plan[-1][2] is not None:  # the prompt ends inside a skill: decode its last token again
+                backend.seq_rm(self.seq, len(new) - 1, -1)
+                logits = backend.decode([new[-1]], [len(new) - 1], [self.seq], [True])
+                transplanted, computed = transplanted - 1, computed + 1
         except KVAgentError:
             # some chunks may have landed: record exactly what the sequence now holds
             _, pos_max = backend.seq_pos_range(self.seq)
             self._cached = new[: pos_max + 1]
             raise
+        if logits is None:  # pragma: no cover - every plan ends with a decode
+            raise KVAgentError("sync produced no logits (internal error)")
         self._cached, self._logits = new, logits[-1]
-        report = PrefillReport(keep, len(todo), time.perf_counter() - start, gained)
-        log.debug("seq %d sync: reused %d (shared %d), computed %d", self.seq, keep, gained, len(todo))
+        fidelity, fell_back = None, False
+        if transplanted and self._fidelity is not None and self._fidelity.sampled():
+            fidelity, fell_back = self._guard(self._fidelity, new, start_at)
+        report = PrefillReport(keep, computed, time.perf_counter() - start, gained, transplanted, fidelity, fell_back)
+        log.debug("seq %d sync: reused %d (shared %d), computed %d, transplanted %d", self.seq, keep, gained, computed, transplanted)
         return report
+
+    def _guard(self, guard: FidelityGuard, tokens: tuple[int, ...], start: int) -> tuple[float, bool]:
+        """Compare with a full prefill in a scratch sequence; below threshold, adopt its cells."""
+        backend = self._backend
+        with self._engine.scratch() as scratch:
+            n = len(tokens)
+            reference = backend.decode(tokens, range(n), [scratch] * n, [False] * (n - 1) + [True])[0]
+            cos = guard.cosine(self._require_logits(), reference)
+            if cos >= guard.threshold:
+                return cos, False
+            log.warning("transplant fidelity %.4f < %.4f on sequence %d: using the recomputed KV", cos, guard.threshold, self.seq)
+            backend.seq_rm(self.seq, start, -1)
+            backend.seq_cp(scratch, self.seq, start, n)
+            self._logits = reference
+            return cos, True
+
+    def _plan(self, rendered: Rendered, start: int) -> list[tuple[int, int, CompiledSkill | None]]:
+        """Runs ``(first, end, skill)`` covering ``[start, len)``: compiled skills to transplant, else decode.
+
+        A skill is transplanted only when its whole span is to be computed and the backend can shift;
+        its blob is fetched (and checked) here, so a refused blob fails before the cache changes.
+        """
+        library = self._engine.skills_if_loaded
+        runs: list[tuple[int, int, CompiledSkill | None]] = []
+        cursor = start
+        if library is not None and self._backend.can_shift:
+            for span in rendered.spans:
+                if span.kind is not SegmentKind.SKILL or span.first < start or span.length == 0:
+                    continue
+                skill = library.lookup(rendered.tokens[span.first : span.last + 1])
+                if skill is None:
+                    continue
+                library.fetch(skill)
+                if span.first > cursor:
+                    runs.append((cursor, span.first, None))
+                runs.append((span.first, span.last + 1, skill))
+                cursor = span.last + 1
+        if cursor < len(rendered.tokens):
+            runs.append((cursor, len(rendered.tokens), None))
+        return runs
 
     # -- edits (kvagent.edits; source paper A, DESIGN.md) ------------------------------------------
     def set(self, name: str, value: object, *, strategy: str | EditStrategy | None = None) -> EditReport:
@@ -364,21 +442,9 @@ class Session:
             return PrefillReport(reused=first + len(kept), computed=computed, seconds=time.perf_counter() - start)
 
     # -- generation -------------------------------------------------------------------------------
-    def generate(
-        self,
-        max_tokens: int = 128,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        user: str | None = None,
-    ) -> Generation:
-        """Generate the assistant's next turn and keep it in the cache (see :meth:`stream`)."""
-        stream = self.stream(
-            max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, user=user
-        )
+    def generate(self, max_tokens: int = 128, **options: Any) -> Generation:
+        """Generate the assistant's next turn and keep it in the cache; ``options`` as in :meth:`stream`."""
+        stream = self.stream(max_tokens, **options)
         for _ in stream:
             pass
         if stream.result is None:  # pragma: no cover - the iterator always sets it
@@ -488,7 +554,7 @@ class Session:
 
     def chat(self, user_text: str, max_tokens: int = 128, **sampling: object) -> Generation:
         """Append a user turn and generate the reply in one pass (``sampling`` as in :meth:`generate`)."""
-        return self.generate(max_tokens, user=user_text, **sampling)  # type: ignore[arg-type]
+        return self.generate(max_tokens, user=user_text, **sampling)
 
     # -- logits, save, restore --------------------------------------------------------------------
     def logits(self) -> np.ndarray:

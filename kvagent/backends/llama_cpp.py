@@ -163,6 +163,11 @@ class LlamaCppBackend:
         """The tokens the model expects first (its BOS where the vocabulary adds one)."""
         return [int(C.llama_vocab_bos(self._vocab))] if C.llama_vocab_get_add_bos(self._vocab) else []
 
+    @property
+    def bos_id(self) -> int:
+        """The vocabulary's BOS token (the attention sink skills are compiled behind)."""
+        return int(C.llama_vocab_bos(self._vocab))
+
     def tokenize(self, text: str, *, special: bool) -> list[int]:
         """Token ids of ``text``, no BOS added; ``special`` parses control tokens like ``<|im_end|>``."""
         data = text.encode("utf-8")

@@ -1,0 +1,167 @@
+"""Field edits on the real backend, both models, each checked against a full recompute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvagent import Engine, KVAgentError, Segment, Session
+from kvagent.bench.edit import Decider, _probe
+from kvagent.bench.edit_suite import TEMPLATES, make_cases
+from kvagent.edits import Erratum, Selective
+from kvagent.errors import FieldValueError
+from kvagent.fields import FieldSpec
+from tests.conftest import cosine
+
+STATUS = FieldSpec(name="order_status", allowed=("processing", "shipped", "delivered", "cancelled"), initial="processing",
+                   template="Record: The order status is {value}.")
+NOTES = Segment.memory("Notes: The customer prefers email. The parcel goes to a pick-up point near the station.")
+POLICY = Segment.policy("Answer each question from the record above it.")
+
+
+def open_session(engine: Engine, **kwargs: object) -> Session:
+    s = engine.session([POLICY, STATUS.segment(), NOTES], chat=False, fields=[STATUS], share_prefix=False, **kwargs)  # type: ignore[arg-type]
+    s.prefill()
+    return s
+
+
+def prefix_bytes(engine: Engine, session: Session, n: int) -> bytes:
+    """The saved KV of the session's first ``n`` positions (shared into a scratch sequence)."""
+    with engine.scratch() as scratch:
+        engine.backend.seq_cp(session.seq, scratch, 0, n)
+        return engine.backend.seq_save(scratch)
+
+
+def cold(engine: Engine, segments: list[Segment]) -> np.ndarray:
+    with engine.session(segments, chat=False, share_prefix=False) as s:
+        return s.logits()
+
+
+def assert_spans_cover(session: Session) -> None:
+    covered = [p for sp in session.spans for p in range(sp.first, sp.last + 1)]
+    assert covered == list(range(len(session.tokens)))
+    assert [sp.segment_id for sp in session.spans] == [seg.id for seg in session.segments]
+
+
+def test_erratum_appends_and_keeps_the_prefix_byte_identical(engine: Engine) -> None:
+    with open_session(engine) as s:
+        n = len(s.tokens)
+        before = prefix_bytes(engine, s, n)
+        report = s.set("order_status", "shipped")
+        assert (report.strategy, report.reused) == ("erratum", n) and report.computed == len(s.tokens) - n > 0
+        assert prefix_bytes(engine, s, n) == before
+        assert s.segments[-1].kind.value == "erratum" and s.field_values["order_status"] == "shipped"
+        assert_spans_cover(s)
+        s.extend(*_probe("Question: What is the order status?\nAnswer:"))
+        assert cosine(s.logits(), cold(engine, list(s.segments))) >= 0.999
+
+
+@pytest.mark.parametrize("value", ["shipped", "cancelled"])  # same and different token length as the initial
+def test_splice_refreshing_everything_equals_recompute(engine: Engine, value: str) -> None:
+    probe = _probe("Question: What is the order status?\nAnswer:")
+    with open_session(engine) as s:
+        report = s.set("order_status", value, strategy=Selective(k=10**6))
+        assert report.stale == 0 and not s.stale_positions
+        assert_spans_cover(s)
+        s.extend(*probe)
+        spliced = s.logits()
+    with open_session(engine) as s:
+        s.set("order_status", value, strategy="recompute")
+        s.extend(*probe)
+        recomputed = s.logits()
+        final = list(s.segments)
+    reference = cold(engine, final)
+    assert cosine(spliced, reference) >= 0.999 and cosine(recomputed, reference) >= 0.999
+
+
+@pytest.mark.parametrize("value", ["shipped", "cancelled"])
+def test_field_only_keeps_downstream_stale_and_never_shares_it(engine: Engine, value: str) -> None:
+    with open_session(engine) as s:
+        old = s.rendered
+        field_end = old.span_of("field-order_status").last
+        s.set("order_status", value, strategy="field_only")
+        new_end = s.rendered.span_of("field-order_status").last
+        assert s.stale_positions == frozenset(range(new_end + 1, len(s.tokens)))
+        assert s.tokens[new_end + 1 :] == old.tokens[field_end + 1 :]
+        assert s.clean_prefix == new_end + 1
+        assert_spans_cover(s)
+        with engine.session(list(s.segments), chat=False) as other:  # may share only the clean prefix
+            report = other.prefill()
+            assert report.shared <= new_end + 1
+        s.extend(*_probe("Question: What is the order status?\nAnswer:"))
+        assert s.logits().shape == (engine.backend.n_vocab,)  # decoding continues over shifted stale cells
+
+
+def test_later_updates_supersede_earlier_ones(engine: Engine) -> None:
+    with open_session(engine) as s:
+        for value in ("shipped", "processing", "delivered"):
+            s.set("order_status", value)
+            assert s.field_values["order_status"] == value
+        assert [seg.value for seg in s.segments if seg.kind.value == "erratum"] == ["shipped", "processing", "delivered"]
+
+
+def test_compaction_gives_the_errata_decision(engine: Engine) -> None:
+    template = TEMPLATES["multi"]
+    decide = Decider.build(engine, template.answers)
+    agreed = checked = 0
+    with engine.session(chat=False, share_prefix=False) as s:
+        for case in make_cases(template, 8, seed=3):
+            s.replace(list(case.segments))
+            s.set_many(case.changes)  # one erratum per field
+            segments = list(s.segments)
+            s.extend(*_probe(case.question))
+            errata_decision, margin = decide(s.logits())
+            s.replace(segments)
+            report = s.compact()
+            assert all(seg.kind.value != "erratum" for seg in s.segments) and report.computed > 0
+            assert s.field_values == {**case.before, **case.changes}
+            assert_spans_cover(s)
+            s.extend(*_probe(case.question))
+            compact_decision, _ = decide(s.logits())
+            if margin >= 1.0:  # decisions inside the Q4 noise band are not evidence either way
+                checked += 1
+                agreed += compact_decision == errata_decision
+    assert checked >= 3 and agreed == checked
+
+
+def test_compaction_runs_after_the_threshold(engine: Engine) -> None:
+    with open_session(engine, compact_after=2) as s:
+        for value in ("shipped", "delivered"):
+            s.set("order_status", value)
+        assert sum(seg.kind.value == "erratum" for seg in s.segments) == 2
+        s.set("order_status", "cancelled")
+        assert sum(seg.kind.value == "erratum" for seg in s.segments) == 0
+        assert s.segments[1].text == "Record: The order status is cancelled."
+
+
+@pytest.mark.parametrize(
+    ("changes", "strategy", "error", "match"),
+    [
+        ({"order_id": "7"}, None, FieldValueError, "unknown field 'order_id': this session's fields are order_status"),
+        ({"order_status": "lost"}, None, FieldValueError, "does not allow 'lost'"),
+        ({"order_status": "shipped", "order_id": 1}, None, FieldValueError, "unknown field 'order_id'"),
+        ({"order_status": "shipped"}, "telepathy", KVAgentError, "unknown edit strategy 'telepathy'"),
+        ({}, None, FieldValueError, "no field to set"),
+    ],
+)
+def test_bad_edits_change_nothing(engine: Engine, changes: dict[str, object], strategy: str | None, error: type, match: str) -> None:
+    with open_session(engine) as s:
+        tokens, segments, kv = s.tokens, s.segments, prefix_bytes(engine, s, len(s.tokens))
+        with pytest.raises(error, match=match):
+            s.set_many(changes, strategy=strategy)
+        assert (s.tokens, s.segments) == (tokens, segments)
+        assert prefix_bytes(engine, s, len(s.tokens)) == kv
+
+
+def test_erratum_template_is_configurable(engine: Engine) -> None:
+    with open_session(engine, edit_strategy=Erratum(template="UPDATE {name}={value}")) as s:
+        s.set("order_status", "shipped")
+        assert s.segments[-1].text == "UPDATE order_status=shipped"
+
+
+def test_refused_session_arguments_do_not_leak_sequences(engine: Engine) -> None:
+    free = len(engine._free)
+    for kwargs in ({"edit_strategy": "nope"}, {"compact_after": 0}):
+        with pytest.raises((KVAgentError, ValueError)):
+            engine.session([POLICY], **kwargs)  # type: ignore[arg-type]
+    assert len(engine._free) == free

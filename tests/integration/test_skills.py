@@ -1,0 +1,169 @@
+"""Skill transplants on the real backend, both models, against a full recompute of the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from kvagent import Engine, Segment, Session
+from kvagent.errors import SkillStoreError
+from kvagent.skills import FidelityGuard, SkillSpec, load_skills
+from kvagent.skills.library import SkillLibrary
+from kvagent.skills.store import SkillStore
+from tests.conftest import cosine
+
+SHIPPED = {s.name: s for s in load_skills([Path(__file__).resolve().parents[2] / "skills"])}
+POLICY = Segment.policy("You are the support agent of Northwind Outdoor. Be brief.")
+QUESTION = Segment.user("Can I return a used stove?")
+# A transplanted skill's KV was computed without the prompt's prefix (here the policy), so it is an
+# approximation. Measured on this suite: SmolLM2 0.968-0.997, Gemma-3 0.990-0.9998 (seam 4); with
+# nothing before the skill but the sink it was compiled behind, 0.998-0.9999 on both.
+FIDELITY = {"smollm2-135m": 0.96, "gemma3-270m": 0.985}
+
+
+@pytest.fixture()
+def library(engine: Engine, tmp_path: Path) -> Iterator[SkillLibrary]:
+    """A fresh store per test, so compile and refusals are seen from scratch."""
+    previous = engine.skills_if_loaded
+    engine.skills = SkillLibrary(engine, SkillStore(tmp_path / "skills"))
+    yield engine.skills
+    if previous is not None:
+        engine.skills = previous
+
+
+def recompute(engine: Engine, segments: list[Segment]) -> np.ndarray:
+    with engine.session(segments, share_prefix=False) as s:
+        report = s.prefill()
+        assert report.transplanted == 0 or engine.skills_if_loaded is None
+        return s.logits()
+
+
+def cold_logits(engine: Engine, segments: list[Segment]) -> np.ndarray:
+    # a recompute that cannot transplant: the skills are looked up by tokens in the library
+    saved = engine.skills_if_loaded
+    engine.skills = SkillLibrary(engine, SkillStore(Path("/nonexistent-kvagent-store")))
+    try:
+        with engine.session(segments, share_prefix=False) as s:
+            assert s.prefill().transplanted == 0
+            return s.logits()
+    finally:
+        if saved is not None:
+            engine.skills = saved
+
+
+def kv_bytes(engine: Engine, session: Session) -> bytes:
+    return engine.backend.seq_save(session.seq)
+
+
+def test_include_transplants_and_matches_a_recompute(engine: Engine, library: SkillLibrary) -> None:
+    spec = SHIPPED["product-manual"]
+    with engine.session([POLICY], share_prefix=False) as s:
+        s.prefill()
+        report = s.include(spec)
+        assert report.transplanted > 1000 and report.computed == spec.seam + 1  # the seam, the last token
+        s.extend(QUESTION)
+        ours, segments = s.logits(), list(s.segments)
+        spans = s.spans
+        assert [p for sp in spans for p in range(sp.first, sp.last + 1)] == list(range(len(s.tokens)))
+    reference = cold_logits(engine, segments)
+    assert cosine(ours, reference) >= FIDELITY[engine.settings.model]
+    assert int(ours.argmax()) == int(reference.argmax())
+
+
+def test_transplant_behind_its_own_sink_is_exact(engine: Engine, library: SkillLibrary) -> None:
+    """With only the sink before it (no RoPE shift, no missing context) a transplant equals a prefill."""
+    empty = Segment.policy("")  # renders to the very tokens skills are compiled behind
+    renderer = engine.renderer(True)
+    assert list(renderer.render([empty]).tokens) == library.sink(renderer)
+    segments = [empty, library.segment(SHIPPED["product-manual"], renderer), QUESTION]
+    with engine.session(segments, share_prefix=False) as s:
+        assert s.prefill().transplanted > 1000
+        ours = s.logits()
+    assert cosine(ours, cold_logits(engine, segments)) >= 0.998
+
+
+def test_several_skills_in_any_order_between_segments(engine: Engine, library: SkillLibrary) -> None:
+    renderer = engine.renderer(True)
+    a, b, c = (library.segment(SHIPPED[n], renderer) for n in ("refund-policy", "lookup-order-tool", "coding-guideline"))
+    prompts = [
+        [POLICY, a, Segment.field("order_status", "shipped"), b, QUESTION],
+        [POLICY, b, c, a, Segment.memory("The customer prefers email."), QUESTION],
+    ]
+    for segments in prompts:
+        with engine.session(segments, share_prefix=False) as s:
+            report = s.prefill()
+            n_skills = sum(seg.kind.value == "skill" for seg in segments)
+            skill_tokens = sum(sp.length for sp in s.spans if sp.kind.value == "skill")
+            assert report.transplanted == skill_tokens - n_skills * 4
+            ours = s.logits()
+        assert cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
+
+
+def test_a_prompt_ending_in_a_skill_still_has_exact_logits_shape(engine: Engine, library: SkillLibrary) -> None:
+    with engine.session([POLICY], share_prefix=False) as s:
+        report = s.include(SHIPPED["refund-policy"])
+        assert report.transplanted > 0
+        ours = s.logits()
+        segments = list(s.segments)
+    assert cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
+
+
+@pytest.mark.parametrize("seam", [0, 16])
+def test_seam_lengths(engine: Engine, library: SkillLibrary, seam: int) -> None:
+    spec = SHIPPED["coding-guideline"].model_copy(update={"seam": seam})
+    with engine.session([POLICY], share_prefix=False) as s:
+        s.prefill()
+        report = s.include(spec)
+        assert report.computed == seam + 1  # the seam, and the last token for its logits
+        s.extend(QUESTION)
+        ours, segments = s.logits(), list(s.segments)
+    assert cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "other-model"])
+def test_refused_blob_leaves_the_cache_untouched(engine: Engine, library: SkillLibrary, damage: str) -> None:
+    spec = SHIPPED["refund-policy"]
+    skill, _ = library.compile(spec, engine.renderer(True))
+    path = library.store.path(skill.key)
+    if damage == "corrupt":
+        raw = bytearray(path.read_bytes())
+        raw[-10] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    else:  # a blob another model wrote, placed under this model's key
+        other = "gemma3-270m" if engine.settings.model == "smollm2-135m" else "smollm2-135m"
+        with Engine.load(other, n_ctx=2048, n_seq_max=2) as eng2:
+            eng2.skills = SkillLibrary(eng2, SkillStore(path.parent / "other"))
+            foreign, _ = eng2.skills.compile(spec, eng2.renderer(True))
+            path.write_bytes(eng2.skills.store.path(foreign.key).read_bytes())
+    fresh = SkillLibrary(engine, SkillStore(path.parent))  # empty LRU: the blob is read from disk
+    fresh._by_tokens[skill.tokens] = skill
+    engine.skills = fresh
+    with engine.session([POLICY], share_prefix=False) as s:
+        s.prefill()
+        tokens, kv = s.tokens, kv_bytes(engine, s)
+        with pytest.raises(SkillStoreError, match="kvagent skills compile"):
+            s.extend(spec.segment())
+        assert s.tokens == tokens and kv_bytes(engine, s) == kv and len(s.segments) == 1
+
+
+@pytest.mark.parametrize(("threshold", "falls_back"), [(-1.0, False), (1.0 + 1e-9, True)])
+def test_fidelity_guard(engine: Engine, library: SkillLibrary, threshold: float, falls_back: bool) -> None:
+    guard = FidelityGuard(rate=1.0, threshold=min(threshold, 1.0) if not falls_back else 0.999999999)
+    with engine.session([POLICY], share_prefix=False, fidelity=guard) as s:
+        report = s.include(SHIPPED["refund-policy"])
+        assert report.fidelity is not None and report.fell_back is (report.fidelity < guard.threshold)
+        if falls_back:
+            assert report.fell_back
+        s.extend(QUESTION)
+        ours, segments = s.logits(), list(s.segments)
+    assert cosine(ours, cold_logits(engine, segments)) >= (0.999 if falls_back else FIDELITY[engine.settings.model])
+
+
+def test_compiled_skill_is_reused_not_recompiled(engine: Engine, library: SkillLibrary) -> None:
+    spec = SkillSpec(name="tiny", version="1", kind="memory", text="The customer likes green tents.")
+    _, first = library.compile(spec, engine.renderer(True))
+    _, second = library.compile(spec, engine.renderer(True))
+    assert first is not None and second is None and [e.name for e in library.store.entries()] == ["tiny"]
