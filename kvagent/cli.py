@@ -107,6 +107,37 @@ def bench_edit(
     console.print(table)
 
 
+@bench_app.command("compose")
+def bench_compose(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="Skills of 256-2k tokens, seams 0 and 4 (about 3 minutes)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/compose.json)."),
+    skills_dir: Path = typer.Option(Path("skills"), help="Skill files the benchmark texts are built from."),
+) -> None:
+    """Skill transplants vs full prefill: cosine, top-1, greedy agreement, TTFT speedup, transplant vs memcpy."""
+    import sys
+    import tempfile
+
+    from kvagent.bench import compose
+
+    json_path = json_path or (compose.RESULTS_DIR / ("compose-quick.json" if quick else "compose.json"))
+    sizes, seams = ([256, 1024, 2048], [0, 4]) if quick else ([256, 1024, 2048, 4096, 8192], [0, 1, 4, 16])
+    with tempfile.TemporaryDirectory() as store, console.status("compose benchmark") as status:
+        rows = compose.run(_models(model), sizes, seams, skills_dir, Path(store), json_path,
+                           " ".join(["kvagent", *sys.argv[1:]]), progress=lambda m: status.update(m))
+    compose.plot(rows, json_path.with_suffix(".png"))
+    table = Table(title=f"skill transplant vs full prefill ({json_path})")
+    for col in ("model", "case", "tokens", "seam", "cosine", "top-1", "greedy", "TTFT transplant s", "TTFT prefill s",
+                "speedup", "transplant ms", "memcpy ms"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["model"], r["case"], str(r["skill_tokens"]), str(r["seam"]), f"{r['cosine']:.4f}",
+                      "yes" if r["top1_agree"] else "no", f"{r['greedy_agree']:.2f}", f"{r['ttft_transplant_s']:.3f}",
+                      f"{r['ttft_prefill_s']:.2f}", f"{r['speedup']:.1f}x", f"{r['transplant_s'] * 1e3:.1f}",
+                      f"{r['memcpy_s'] * 1e3:.1f}")
+    console.print(table)
+
+
 @bench_app.command("backend")
 def bench_backend(
     model: str = typer.Option(None, help="One model (default: every registry model)."),

@@ -198,6 +198,15 @@ class Engine:
                     best = (other_seq, n)
         return best
 
+    def may_share_cells(self, seq: int, position: int) -> bool:
+        """Whether another session might hold ``seq``'s cells at or after ``position``.
+
+        Sessions share cells only through :meth:`shared_prefix` (a common cached prefix), so a session
+        whose cached tokens agree with ``seq``'s beyond ``position`` might hold them; conservative.
+        """
+        mine = self._sessions[seq].tokens if seq in self._sessions else ()
+        return any(common_prefix(other.tokens, mine) > position for s, other in self._sessions.items() if s != seq)
+
     @property
     def open_sessions(self) -> int:
         return len(self._sessions)

@@ -64,6 +64,7 @@ class Generation:
     computed: int
     ttft_s: float
     total_s: float
+    transplanted: int = 0  # prompt tokens whose KV came from compiled skills
 
     @property
     def generated(self) -> int:
@@ -123,6 +124,10 @@ class Session:
         self._fidelity = fidelity
         # positions whose KV was deliberately left stale by a field-only / selective edit
         self._stale: frozenset[int] = frozenset()
+        # Sliding-window models: restored or transplanted KV holds only the last window of SWA cells
+        # (llama.cpp saves no more), so the cache may not be cut below this position and extended
+        # again; a cut below it recomputes from 0. 0 = no such limit.
+        self._floor = 0
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -161,7 +166,9 @@ class Session:
 
     @property
     def clean_prefix(self) -> int:
-        """Length of the cached prefix with no stale position: what may be shared with other sessions."""
+        """Length of the cached prefix other sessions may share: no stale position, no missing window."""
+        if self._floor:
+            return 0
         return min(self._stale) if self._stale else len(self._cached)
 
     @property
@@ -238,6 +245,8 @@ class Session:
         if keep == len(new) == len(self._cached) and self._logits is not None:
             return PrefillReport(reused=keep, computed=0, seconds=time.perf_counter() - start)
         keep = min(keep, len(new) - 1)  # the last token is always decoded: its logits are needed
+        if keep < self._floor:  # SWA cells below the floor are missing: extending from there is not exact
+            keep = 0
         shared_seq, shared = self._engine.shared_prefix(new, self.seq) if self._share_prefix else (-1, 0)
         shared = min(shared, len(new) - 1)
         start_at = max(keep, shared)
@@ -245,6 +254,8 @@ class Session:
         backend = self._backend
         backend.seq_rm(self.seq, keep, -1)
         self._stale = frozenset(p for p in self._stale if p < keep)
+        if keep == 0:
+            self._floor = 0
         if shared > keep:
             # copy (share) the other session's cells for the positions we lack
             backend.seq_cp(shared_seq, self.seq, keep, shared)
@@ -259,6 +270,9 @@ class Session:
                 if skill is not None:
                     fresh, copied = self._engine.skills.transplant(self.seq, skill, first)
                     computed, transplanted = computed + fresh, transplanted + copied
+                    n_swa = backend.n_swa
+                    if n_swa and copied + skill.n_sink > n_swa:  # its middle SWA cells did not travel
+                        self._floor = max(self._floor, end)
                 else:
                     n = end - first
                     outputs = [False] * (n - 1) + [end == len(new)]
@@ -404,15 +418,32 @@ class Session:
             picked = set(refresh(old, old.spans[index])) if refresh is not None else set()
             fresh = {p + delta for p in picked if last < p < n_old} | set(range(first, last + delta + 1))
             backend = self._backend
+            if first < self._floor or (backend.n_swa and n_old - first > backend.n_swa):
+                # Sliding-window models: llama.cpp keeps only a window of SWA cells once they fall out
+                # of every query's reach (and saves no more), so KV far behind the end cannot be spliced
+                # into exactly. Measured on Gemma-3: splices with more than a window downstream failed.
+                log.info("splice of %r on sequence %d: more than the sliding window (%d) downstream, or "
+                         "restored/transplanted KV; recomputing from the field", name, self.seq, backend.n_swa)
+                return self.replace(segments)
+            shared_downstream = self._engine.may_share_cells(self.seq, last + 1)
+            if delta != 0 and shared_downstream and backend.n_swa:
+                # the own-copy path restores saved state, which keeps only the sliding window of SWA
+                # layers: cells in the middle would be missing. Rebuild from the field instead.
+                log.info("splice of %r on sequence %d: downstream cells are shared and the model uses "
+                         "sliding-window attention; recomputing from the field", name, self.seq)
+                return self.replace(segments)
             with self._engine.scratch() as park:
                 if last + 1 < n_old:
-                    if delta == 0:  # positions unchanged: share the cells, no copy
-                        backend.seq_cp(self.seq, park, last + 1, n_old)
-                    else:  # a shift moves every sharer of a cell: give the parked run its own cells first
+                    if delta != 0 and shared_downstream:
+                        # a shift moves every sharer of a cell: give the parked run its own cells first
                         backend.seq_restore(park, backend.seq_save(self.seq))
                         backend.seq_rm(park, 0, last + 1)
-                        backend.seq_add(park, last + 1, -1, delta)
+                    else:  # park the run by sharing its cells (no copy)
+                        backend.seq_cp(self.seq, park, last + 1, n_old)
                 backend.seq_rm(self.seq, first, -1)
+                if delta != 0 and last + 1 < n_old:
+                    # the park is now the only holder of those cells: shifting them moves nobody else
+                    backend.seq_add(park, last + 1, -1, delta)
                 self._cached, self._logits = new.tokens[:first], None
                 self._segments, self._rendered = segments, new
                 old_stale = self._stale
@@ -544,7 +575,8 @@ class Session:
                 self._generated[text] = turn_ids
             self.replace([*before, turn])
             holder.result = Generation(
-                text, tuple(ids), finish, report.reused, report.computed, ttft, time.perf_counter() - start
+                text, tuple(ids), finish, report.reused, report.computed, ttft, time.perf_counter() - start,
+                report.transplanted,
             )
 
     def _rollback(self, first: int, segments: list[Segment]) -> None:
@@ -601,6 +633,8 @@ class Session:
             self._segments, self._rendered = segments, rendered
             self._cached, self._logits = parsed.tokens, logits
             self._stale = frozenset()  # stale marks are not part of a blob: save sessions after a clean sync
+            n_swa = self._backend.n_swa
+            self._floor = len(parsed.tokens) if n_swa and len(parsed.tokens) > n_swa else 0
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

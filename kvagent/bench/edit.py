@@ -99,13 +99,24 @@ def _edit_and_decide(session: Session, case: Case, strategy: str, decide: Decide
 
 
 def run_case(
-    engine: Engine, session: Session, case: Case, decide: Decider, strategies: Iterable[str], truth: str = ""
+    engine: Engine, session: Session, case: Case, decide: Decider, strategies: Iterable[str], truth: str = "",
+    restore: bool = True,
 ) -> CaseResult:
+    """One case. Between strategies the unedited state comes back from a saved blob (``restore``), or
+    by re-rendering the unedited prompt (prefix reuse up to the field): sliding-window models restore
+    only their last window of SWA cells, so long contexts on them use the latter."""
     session.replace(list(case.segments))
     segments, blob = list(session.segments), session.save()
+
+    def reset() -> None:
+        if restore:
+            session.restore(blob, segments)
+        else:
+            session.replace(segments)
+
     session.extend(*_probe(case.question))
     before, before_margin = decide(session.logits())
-    session.restore(blob, segments)
+    reset()
     oracle, oracle_margin, oracle_s = _edit_and_decide(session, case, "recompute", decide)
     final = list(session.segments)
     with engine.session(final, share_prefix=False, chat=False) as cold:
@@ -118,7 +129,7 @@ def run_case(
     for strategy in strategies:
         if strategy == "recompute":
             continue
-        session.restore(blob, segments)
+        reset()
         decision, _, seconds = _edit_and_decide(session, case, strategy, decide)
         result.decisions[strategy], result.seconds[strategy] = decision, seconds
     return result
@@ -163,12 +174,23 @@ def latency_rows(engine: Engine, model: str, target_tokens: int, reps: int, stra
     case = Case("latency", segments, base.before, base.changes, base.question, base.erratum_templates)
     per: dict[str, list[float]] = {s: [] for s in strategies}
     reprefill: list[float] = []
-    with engine.session(share_prefix=False, chat=False) as session:
-        for _ in range(reps):
-            result = run_case(engine, session, case, decide, strategies)
+    if engine.backend.n_swa:
+        # Sliding-window models: llama.cpp keeps (and saves) only a window of SWA cells once a long
+        # sequence has been rebuilt, after which a splice falls back to a recompute. Each strategy
+        # gets a fresh session so it is timed on its own path (one repetition: each costs 3 prefills).
+        for s in strategies:
+            with engine.session(share_prefix=False, chat=False) as session:
+                result = run_case(engine, session, case, decide, [s], restore=False)
             reprefill.append(result.reprefill_s)
-            for s in strategies:
-                per[s].append(result.seconds[s])
+            per[s].append(result.seconds[s])
+        reps = 1
+    else:
+        with engine.session(share_prefix=False, chat=False) as session:
+            for _ in range(reps):
+                result = run_case(engine, session, case, decide, strategies)
+                reprefill.append(result.reprefill_s)
+                for s in strategies:
+                    per[s].append(result.seconds[s])
     return [
         {"model": model, "template": f"latency-{target_tokens}", "strategy": s, "n_cases": reps, "n_flips": None,
          "recovery": None, "context_tokens": size, "edit_to_token_s": median(per[s]), "reprefill_s": median(reprefill),
@@ -189,7 +211,8 @@ def run(
             selective_k[model] = {"k": cal.k if cal else DEFAULT_K, "calibrated": cal is not None}
             for template in TEMPLATES.values():
                 decide = Decider.build(engine, template.answers)
-                cases = [c for c in make_cases(template, n_cases) if _answerable(c, template, decide)]
+                # answers whose first token collides with another's are left out: draw until n remain
+                cases = [c for c in make_cases(template, 2 * n_cases) if _answerable(c, template, decide)][:n_cases]
                 results = []
                 with engine.session(share_prefix=False, chat=False) as session:
                     for i, case in enumerate(cases):
