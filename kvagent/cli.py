@@ -63,6 +63,15 @@ edits_app = typer.Typer(help="Edit strategies: calibration of the selective edit
 app.add_typer(edits_app, name="edits")
 
 
+def _print_table(title: str, columns: tuple[str, ...], rows: list[list[str]]) -> None:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
 def _models(model: str | None) -> list[str]:
     from kvagent.models import REGISTRY
 
@@ -93,18 +102,16 @@ def bench_edit(
         )
     plot_path = json_path.with_suffix(".png")
     edit.plot(rows, plot_path)
-    table = Table(title=f"edit strategies vs full recompute ({json_path}, {plot_path})")
-    for col in ("model", "template", "strategy", "cases", "flips", "recovery", "clear flips", "recovery (clear)",
-                "edit->token s", "re-prefill s", "speedup"):
-        table.add_column(col)
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    for r in rows:
-        table.add_row(
-            r["model"], r["template"], r["strategy"], str(r["n_cases"]), fmt(r["n_flips"], "d"),
-            fmt(r["recovery"], ".2f"), fmt(r.get("n_clear_flips"), "d"), fmt(r.get("recovery_clear"), ".2f"),
-            f"{r['edit_to_token_s']:.3f}", f"{r['reprefill_s']:.3f}", f"{r['speedup']:.1f}x",
-        )
-    console.print(table)
+    _print_table(
+        f"edit strategies vs full recompute ({json_path}, {plot_path})",
+        ("model", "template", "strategy", "cases", "flips", "recovery", "clear flips", "recovery (clear)",
+         "accuracy", "edit->token s", "re-prefill s", "speedup"),
+        [[r["model"], r["template"], r["strategy"], str(r["n_cases"]), fmt(r["n_flips"], "d"),
+          fmt(r["recovery"], ".2f"), fmt(r.get("n_clear_flips"), "d"), fmt(r.get("recovery_clear"), ".2f"),
+          fmt(r.get("accuracy"), ".2f"), f"{r['edit_to_token_s']:.3f}", f"{r['reprefill_s']:.3f}",
+          f"{r['speedup']:.1f}x"] for r in rows],
+    )
 
 
 @bench_app.command("compose")
@@ -126,16 +133,15 @@ def bench_compose(
         rows = compose.run(_models(model), sizes, seams, skills_dir, Path(store), json_path,
                            " ".join(["kvagent", *sys.argv[1:]]), progress=lambda m: status.update(m))
     compose.plot(rows, json_path.with_suffix(".png"))
-    table = Table(title=f"skill transplant vs full prefill ({json_path})")
-    for col in ("model", "case", "tokens", "seam", "cosine", "top-1", "greedy", "TTFT transplant s", "TTFT prefill s",
-                "speedup", "transplant ms", "memcpy ms"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["model"], r["case"], str(r["skill_tokens"]), str(r["seam"]), f"{r['cosine']:.4f}",
-                      "yes" if r["top1_agree"] else "no", f"{r['greedy_agree']:.2f}", f"{r['ttft_transplant_s']:.3f}",
-                      f"{r['ttft_prefill_s']:.2f}", f"{r['speedup']:.1f}x", f"{r['transplant_s'] * 1e3:.1f}",
-                      f"{r['memcpy_s'] * 1e3:.1f}")
-    console.print(table)
+    _print_table(
+        f"skill transplant vs full prefill ({json_path})",
+        ("model", "case", "tokens", "seam", "cosine", "top-1", "greedy", "TTFT transplant s", "TTFT prefill s",
+         "speedup", "transplant ms", "memcpy ms"),
+        [[r["model"], r["case"], str(r["skill_tokens"]), str(r["seam"]), f"{r['cosine']:.4f}",
+          "yes" if r["top1_agree"] else "no", f"{r['greedy_agree']:.2f}", f"{r['ttft_transplant_s']:.3f}",
+          f"{r['ttft_prefill_s']:.2f}", f"{r['speedup']:.1f}x", f"{r['transplant_s'] * 1e3:.1f}",
+          f"{r['memcpy_s'] * 1e3:.1f}"] for r in rows],
+    )
 
 
 @bench_app.command("backend")
@@ -156,13 +162,12 @@ def bench_backend(
         rows = backend.run(_models(model), prompt_tokens, decode_tokens, reps, json_path,
                            " ".join(["kvagent", *sys.argv[1:]]), progress=lambda m: status.update(m))
     backend.plot(rows, json_path.with_suffix(".png"))
-    table = Table(title=f"llama.cpp backend throughput ({json_path})")
-    for col in ("model", "flash_attn", "prompt tokens", "prefill s", "prefill tok/s", "decode tok/s"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["model"], str(r["flash_attn"]), str(r["prompt_tokens"]), f"{r['prefill_s']:.2f}",
-                      f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}")
-    console.print(table)
+    _print_table(
+        f"llama.cpp backend throughput ({json_path})",
+        ("model", "flash_attn", "prompt tokens", "prefill s", "prefill tok/s", "decode tok/s"),
+        [[r["model"], str(r["flash_attn"]), str(r["prompt_tokens"]), f"{r['prefill_s']:.2f}",
+          f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}"] for r in rows],
+    )
 
 
 @edits_app.command("calibrate")

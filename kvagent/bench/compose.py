@@ -143,6 +143,9 @@ def plot(rows: list[dict[str, Any]], path: Path, seam: int = 4) -> None:
             axes[1].plot([r["skill_tokens"] for r in pts], [r["cosine"] for r in pts], marker=".", label=f"{model} seam {s}")
     axes[0].set(xscale="log", xlabel="skill tokens", ylabel="TTFT speedup (prefill / transplant)", title=f"speedup (seam {seam})")
     axes[1].set(xscale="log", xlabel="skill tokens", ylabel="logit cosine vs full prefill", title="fidelity")
+    for ax in axes:
+        ax.minorticks_off()
+        ax.set_xticks([256, 1024, 2048, 4096, 8192], ["256", "1k", "2k", "4k", "8k"])
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=6)
     fig.tight_layout()

@@ -255,7 +255,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("recovery of the full-recompute decision")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7, loc="lower right")
-    ax.set_title("Edit strategies vs full recompute (cases where the edit flips the decision)")
+    ax.set_title("Edit strategies: recovery of the full-recompute decision on flipped cases", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvagent import Engine, KVAgentError, Segment, Session
-from kvagent.bench.edit import Decider, _probe
+from kvagent.bench.edit import _probe
 from kvagent.bench.edit_suite import TEMPLATES, make_cases
 from kvagent.edits import Erratum, Selective
 from kvagent.errors import FieldValueError
@@ -100,28 +100,29 @@ def test_later_updates_supersede_earlier_ones(engine: Engine) -> None:
         assert [seg.value for seg in s.segments if seg.kind.value == "erratum"] == ["shipped", "processing", "delivered"]
 
 
-def test_compaction_gives_the_errata_decision(engine: Engine) -> None:
+def test_compaction_rebuilds_the_recompute_state(engine: Engine) -> None:
+    """Folding errata back gives exactly the prompt and KV a recompute of the same edits gives.
+
+    Whether that keeps the errata version's *decision* is measured, not assumed: on these small models
+    the erratum and the recompute disagree on 13-32% of flipped cases (BENCHMARKS.md), so a compaction
+    changes those decisions too. Here it must match the recompute oracle, logit for logit.
+    """
     template = TEMPLATES["multi"]
-    decide = Decider.build(engine, template.answers)
-    agreed = checked = 0
     with engine.session(chat=False, share_prefix=False) as s:
-        for case in make_cases(template, 8, seed=3):
+        for case in make_cases(template, 4, seed=3):
+            s.replace(list(case.segments))
+            s.set_many(case.changes, strategy="recompute")
+            s.extend(*_probe(case.question))
+            oracle_tokens, oracle = s.tokens, s.logits()
             s.replace(list(case.segments))
             s.set_many(case.changes)  # one erratum per field
-            segments = list(s.segments)
-            s.extend(*_probe(case.question))
-            errata_decision, margin = decide(s.logits())
-            s.replace(segments)
             report = s.compact()
             assert all(seg.kind.value != "erratum" for seg in s.segments) and report.computed > 0
             assert s.field_values == {**case.before, **case.changes}
             assert_spans_cover(s)
             s.extend(*_probe(case.question))
-            compact_decision, _ = decide(s.logits())
-            if margin >= 1.0:  # decisions inside the Q4 noise band are not evidence either way
-                checked += 1
-                agreed += compact_decision == errata_decision
-    assert checked >= 3 and agreed == checked
+            assert s.tokens == oracle_tokens
+            assert cosine(s.logits(), oracle) >= 0.999
 
 
 def test_compaction_runs_after_the_threshold(engine: Engine) -> None:
