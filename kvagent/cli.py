@@ -93,7 +93,7 @@ def bench_edit(
     from kvagent.bench import edit
 
     json_path = json_path or (edit.RESULTS_DIR / ("edit-quick.json" if quick else "edit.json"))
-    n_cases, latency_tokens, reps = (6, 2000, 1) if quick else (cases, 2000, 3)
+    n_cases, latency_tokens, reps = (6, 1000, 1) if quick else (cases, 2000, 3)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("edit benchmark", total=None)
         rows = edit.run(
