@@ -130,6 +130,10 @@ class Engine:
         self.backend.seq_rm(seq, -1, -1)
         return seq
 
+    @property
+    def has_free_sequence(self) -> bool:
+        return bool(self._free)
+
     @contextmanager
     def scratch(self) -> Iterator[int]:
         """A temporary sequence (for splicing KV left to right), emptied and freed on exit."""

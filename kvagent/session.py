@@ -336,6 +336,11 @@ class Session:
                 cursor = span.last + 1
         if cursor < len(rendered.tokens):
             runs.append((cursor, len(rendered.tokens), None))
+        if any(skill is not None for _, _, skill in runs) and not self._engine.has_free_sequence:
+            raise KVAgentError(
+                "a transplant needs a free scratch sequence and all are in use: close a session or load the "
+                "engine with a larger n_seq_max (nothing was changed)"
+            )
         return runs
 
     # -- edits (kvagent.edits; source paper A, DESIGN.md) ------------------------------------------

@@ -171,3 +171,15 @@ def test_compiled_skill_is_reused_not_recompiled(engine: Engine, library: SkillL
     _, first = library.compile(spec, engine.renderer(True))
     _, second = library.compile(spec, engine.renderer(True))
     assert first is not None and second is None and [e.name for e in library.store.entries()] == ["tiny"]
+
+
+def test_transplant_without_a_free_sequence_changes_nothing(library: SkillLibrary) -> None:
+    with Engine.load("smollm2-135m", n_ctx=2048, n_seq_max=1) as small:
+        small.skills = SkillLibrary(small, library.store)
+        segment = small.skills.segment(SHIPPED["refund-policy"], small.renderer(True))
+        with small.session([POLICY], share_prefix=False) as s:
+            s.prefill()
+            tokens = s.tokens
+            with pytest.raises(Exception, match="free scratch sequence.*nothing was changed"):
+                s.extend(segment)
+            assert s.tokens == tokens and len(s.segments) == 1
