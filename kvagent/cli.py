@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvagent.bench.common import RESULTS_DIR
 from kvagent.errors import KVAgentError
 
 app = typer.Typer(help="kvagent: a KV cache kept alive across an agent's turns.", no_args_is_help=True)
@@ -92,7 +93,7 @@ def bench_edit(
 
     from kvagent.bench import edit
 
-    json_path = json_path or (edit.RESULTS_DIR / ("edit-quick.json" if quick else "edit.json"))
+    json_path = json_path or (RESULTS_DIR / ("edit-quick.json" if quick else "edit.json"))
     n_cases, latency_tokens, reps = (6, 1000, 1) if quick else (cases, 2000, 3)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("edit benchmark", total=None)
@@ -127,7 +128,7 @@ def bench_compose(
 
     from kvagent.bench import compose
 
-    json_path = json_path or (compose.RESULTS_DIR / ("compose-quick.json" if quick else "compose.json"))
+    json_path = json_path or (RESULTS_DIR / ("compose-quick.json" if quick else "compose.json"))
     sizes, seams = ([256, 1024, 2048], [0, 4]) if quick else ([256, 1024, 2048, 4096, 8192], [0, 1, 4, 16])
     with tempfile.TemporaryDirectory() as store, console.status("compose benchmark") as status:
         rows = compose.run(_models(model), sizes, seams, skills_dir, Path(store), json_path,

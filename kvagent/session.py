@@ -220,10 +220,6 @@ class Session:
             segment = self._engine.skills.segment(skill, self._renderer)
             return self.extend(segment)
 
-    def add_user(self, text: str) -> PrefillReport:
-        """Append a user turn and prefill it."""
-        return self.extend(Segment.user(text))
-
     def _with_generated_ids(self, seg: Segment) -> Segment:
         if seg.kind is SegmentKind.TURN and seg.role == "assistant" and seg.token_ids is None:
             ids = self._generated.get(seg.text)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvagent.bench.common import RESULTS_DIR, median, write_json
+from kvagent.bench.common import write_json
 from kvagent.engine import Engine
 from kvagent.segments import Segment
 from kvagent.skills import SkillSpec, load_skills
@@ -28,7 +28,6 @@ from kvagent.skills.store import SkillStore
 POLICY = Segment.policy("You are the support agent of Northwind Outdoor. Be brief and exact.")
 QUESTION = Segment.user("Which part of the text above matters most for a customer asking about refunds?")
 GREEDY_TOKENS = 32
-DEFAULT_JSON = RESULTS_DIR / "compose.json"
 
 
 def skill_of_length(engine: Engine, n_tokens: int, skills_dir: Path) -> SkillSpec:
@@ -153,6 +152,3 @@ def plot(rows: list[dict[str, Any]], path: Path, seam: int = 4) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-
-def median_cosine(rows: list[dict[str, Any]], model: str, seam: int) -> float:
-    return median([r["cosine"] for r in rows if r["model"] == model and r["seam"] == seam])

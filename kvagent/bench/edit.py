@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from kvagent.bench.common import RESULTS_DIR, median, write_json
+from kvagent.bench.common import median, write_json
 from kvagent.bench.edit_suite import TEMPLATES, Case, Template, long_notes, make_cases
 from kvagent.edits import EditStrategy, Erratum
 from kvagent.edits.calibration import load_calibration
@@ -262,4 +262,3 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-DEFAULT_JSON = RESULTS_DIR / "edit.json"
