@@ -62,3 +62,11 @@ class SkillFileError(KVAgentError):
 
 class SkillStoreError(KVAgentError):
     """A compiled skill is missing, corrupt, or was compiled for another model or backend format."""
+
+
+class UnsupportedModelError(KVAgentError):
+    """The torch reference model cannot load a GGUF: unknown architecture or quantization type."""
+
+
+class EvictionError(KVAgentError):
+    """An eviction policy name, budget or cycle setting is invalid, or a cache cannot be pruned."""

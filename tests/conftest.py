@@ -22,3 +22,13 @@ def engine(request: pytest.FixtureRequest) -> Iterator["object"]:
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     return float(a64 @ b64 / (np.linalg.norm(a64) * np.linalg.norm(b64)))
+
+
+@pytest.fixture(scope="session")
+def reference(engine: "object") -> "object":
+    """The torch reference model on the same GGUF as ``engine`` (skipped without the torch extra)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from kvagent.reference.model import ReferenceModel
+
+    return ReferenceModel.load(engine.model.path)  # type: ignore[attr-defined]

@@ -1,0 +1,490 @@
+"""Cases for the eviction benchmark: long prose with planted facts, and plain passages for perplexity.
+
+Pure logic: no model, no backend. Token counts come from a ``count_tokens`` callable the caller passes in
+(the model's tokenizer in the benchmark, a whitespace counter in the unit tests).
+
+The prose is real public-domain text shipped in the package (``kvagent/bench/data/prose/*.txt``, sources in
+``SOURCES.md`` beside them): contiguous excerpts of five 19th-century English books, one paragraph per
+block, paragraphs separated by a blank line. Nothing is downloaded at run time.
+
+Retention cases (:func:`make_retention_cases`): a short instruction, then a contiguous passage of one book
+(random book, random start at a paragraph boundary) grown paragraph by paragraph until the whole prompt
+reaches ``target_tokens``. A few invented facts ("Note: the access code for the north gate is 4817.") are
+inserted at sentence boundaries at random depths; the question asks about one of them. The values are drawn
+from fixed pools by a seeded RNG, so they cannot be guessed from the prose, and the answer is short (one to
+three words) so that it can be judged on the first generated tokens (:func:`score_answer`).
+
+Streaming texts (:func:`make_stream_texts`): contiguous passages of at least ``target_tokens`` tokens, for
+measuring perplexity while the cache is being evicted.
+
+Everything is deterministic for a seed: case ``i`` of a call depends only on ``(seed, i)``, so the first
+``k`` cases of ``n`` are the cases of a call with ``n = k``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import unicodedata
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+log = logging.getLogger(__name__)
+
+PROSE_PACKAGE = "kvagent.bench.data.prose"
+
+INSTRUCTION = (
+    "Read the following text carefully. A few notes, each starting with \"Note:\", are hidden in it. "
+    "Remember them: at the end you will be asked about one of them."
+)
+QUESTION_SEPARATOR = "\n\n"
+PARAGRAPH_SEPARATOR = "\n\n"
+DEPTH_RANGE = (0.05, 0.95)
+
+# Words before a full stop that do not end a sentence ("Mr. Bennet", "St. James's", "Co."); single letters
+# (initials such as "R. Walton", "U. S. A.") are handled separately.
+ABBREVIATIONS = frozenset(
+    {"mr", "mrs", "ms", "dr", "st", "messrs", "mme", "mlle", "esq", "co", "no", "vol", "rev", "capt", "col", "gen",
+     "lt", "sgt", "prof", "jr", "sr", "vs", "etc"}
+)
+# A sentence end: terminal punctuation, optional closing quotes or brackets, whitespace, then a capital
+# (optionally after an opening quote).
+_SENTENCE_END = re.compile(r"[.!?][\"”’')\]]*\s+(?=[\"“‘']?[A-Z])")
+
+
+# --- the shipped prose ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _load_prose_cached() -> tuple[tuple[str, str], ...]:
+    root = resources.files(PROSE_PACKAGE)
+    books = []
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".txt"):
+            books.append((entry.name[: -len(".txt")], entry.read_text(encoding="utf-8")))
+    if not books:
+        raise FileNotFoundError(f"no prose files (*.txt) in package {PROSE_PACKAGE}")
+    log.debug("loaded %d prose files from %s", len(books), PROSE_PACKAGE)
+    return tuple(books)
+
+
+def load_prose() -> dict[str, str]:
+    """The shipped public-domain texts, ``{slug: text}`` in slug order (slug = file name without ``.txt``).
+
+    Read through :mod:`importlib.resources` from the package ``kvagent.bench.data.prose``, so it works from a
+    source checkout and from an installed wheel alike. A fresh dict each call (the texts are cached).
+    """
+    return dict(_load_prose_cached())
+
+
+def split_paragraphs(text: str) -> list[str]:
+    """The non-empty paragraphs of a text whose paragraphs are separated by blank lines."""
+    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def sentence_starts(paragraph: str) -> list[int]:
+    """Offsets in ``paragraph`` where a sentence starts: 0, and after each sentence end.
+
+    A sentence end is ``.``, ``!`` or ``?`` (with any closing quotes) followed by whitespace and a capital
+    letter, not after a common abbreviation or an initial ("Mr. Bennet", "R. Walton"), and not inside an
+    open double quotation (straight quotes counted by parity, curly ones by balance), so a note is not put
+    in the middle of a character's speech when the text marks speech with double quotes.
+    """
+    starts = [0]
+    for m in _SENTENCE_END.finditer(paragraph):
+        pos = m.end()
+        head = paragraph[: m.start() + 1]
+        word = re.search(r"(\S+)$", head)
+        stem = word.group(1).rstrip(".!?").lstrip("\"“‘'(").lower() if word else ""
+        if head.endswith(".") and (stem in ABBREVIATIONS or (len(stem) == 1 and stem.isalpha())):
+            continue
+        before = paragraph[:pos]
+        if before.count('"') % 2 == 1 or before.count("“") > before.count("”"):
+            continue
+        starts.append(pos)
+    return starts
+
+
+class _Corpus:
+    """The prose split into paragraphs, with per-paragraph token counts computed lazily per book."""
+
+    def __init__(self, count_tokens: Callable[[str], int]) -> None:
+        self.count_tokens = count_tokens
+        self.books = {slug: split_paragraphs(text) for slug, text in load_prose().items()}
+        self.slugs = sorted(self.books)
+        self._counts: dict[str, list[int]] = {}
+        # the blank line between paragraphs, which per-paragraph counts leave out, as it tokenizes between two
+        # words (0 for a word counter; "\n\n" alone can be one token where it is two in running text)
+        self.separator_tokens = max(0, count_tokens("x" + PARAGRAPH_SEPARATOR + "x") - 2 * count_tokens("x"))
+
+    def counts(self, slug: str) -> list[int]:
+        if slug not in self._counts:
+            self._counts[slug] = [self.count_tokens(p) for p in self.books[slug]]
+        return self._counts[slug]
+
+    def start(self, rng: random.Random, needed_tokens: int) -> tuple[str, int]:
+        """A random book and a random paragraph from which the rest of that book holds ``needed_tokens``
+        (by the per-paragraph estimate); the first paragraph if no start has enough."""
+        slug = rng.choice(self.slugs)
+        counts = self.counts(slug)
+        remaining, suffix = 0, [0] * len(counts)
+        for j in range(len(counts) - 1, -1, -1):
+            remaining += counts[j]
+            suffix[j] = remaining
+        eligible = [j for j, s in enumerate(suffix) if s >= needed_tokens]
+        if not eligible:
+            log.info("book %s is shorter than %d tokens; the passage continues into the next book", slug, needed_tokens)
+            return slug, 0
+        return slug, eligible[rng.randrange(len(eligible))]
+
+    def paragraphs_from(self, slug: str, index: int) -> Iterator[tuple[str, int]]:
+        """Paragraphs from ``(slug, index)`` on, continuing into the following books (in slug order) and
+        stopping after one full pass over the corpus; yields ``(paragraph, estimated_tokens)``."""
+        b = self.slugs.index(slug)
+        for k in range(len(self.slugs) + 1):
+            book = self.slugs[(b + k) % len(self.slugs)]
+            paras, counts = self.books[book], self.counts(book)
+            lo = index if k == 0 else 0
+            hi = len(paras) if k < len(self.slugs) else index
+            if k > 0 and lo < hi:
+                log.info("passage continues from book %s into book %s", self.slugs[(b + k - 1) % len(self.slugs)], book)
+            for j in range(lo, hi):
+                yield paras[j], counts[j]
+
+
+# --- facts ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One planted fact: ``sentence`` states that ``key`` is ``value``; the question asks for ``key``.
+
+    ``kind`` names the template it came from (for accuracy per kind).
+    """
+
+    key: str
+    value: str
+    sentence: str
+    kind: str = ""
+
+
+FIRST_NAMES = [
+    "Aldous", "Berenice", "Cosmo", "Dorcas", "Evander", "Philippa", "Gideon", "Hester", "Ignatius", "Juniper",
+    "Leopold", "Marisol", "Octavia", "Percival", "Rosalind", "Thaddeus", "Wilhelmina", "Ambrose", "Clementine",
+    "Barnaby", "Isolde", "Lazarus", "Perpetua", "Silas",
+]
+SURNAMES = [
+    "Fenwick", "Ashcombe", "Brindle", "Calloway", "Drummond", "Everleigh", "Farrow", "Galloway", "Hollis", "Ivers",
+    "Kettering", "Larkspur", "Merriweather", "Norcott", "Pendry", "Quillon", "Ravensworth", "Stroud",
+    "Thistlewood", "Underhill", "Vantreight", "Whitlock", "Yarrow", "Zeller",
+]
+TITLES = ["Dr.", "Captain", "Professor", "Mrs.", "Sergeant", "Miss"]
+DIRECTIONS = ["north", "south", "east", "west", "upper", "lower", "old", "new"]
+LOCKED_PLACES = ["gate", "vault", "boathouse", "storeroom", "archive", "cellar", "chapel door", "signal box"]
+ROLES = [
+    "ship's cook", "night porter", "lighthouse keeper", "head gardener", "village clockmaker", "ferry pilot",
+    "stable master", "court archivist", "organ tuner", "harbour master",
+]
+COLOURS = [
+    "crimson", "turquoise", "amber", "violet", "ochre", "scarlet", "teal", "magenta", "indigo", "silver",
+    "saffron", "emerald", "maroon", "lavender",
+]
+OWNED_THINGS = ["umbrella", "bicycle", "front door", "rowing boat", "travelling trunk", "carriage", "scarf"]
+CONTAINERS = ["blue tin", "oak chest", "clock case", "flour barrel", "hatbox", "hollow stump"]
+SITES = ["the mill", "the inn", "the quay", "the parsonage", "the observatory", "the toll house"]
+HIDDEN_OBJECTS = [
+    "brass compass", "silver thimble", "glass marble", "pocket watch", "iron key", "ivory comb", "copper kettle",
+    "wooden flute", "tin soldier", "pearl button",
+]
+COUNTED_THINGS = ["lanterns", "barrels", "beehives", "bells", "oars", "chimneys"]
+TOWNS = [
+    "Marlowick", "Tessbury", "Oakhollow", "Brindlemere", "Quenford", "Ashwell", "Corrisdale", "Fennimoor",
+    "Haverlocke", "Pellingham",
+]
+PASSWORDS = [
+    "juniper", "kestrel", "marzipan", "tamarind", "gondola", "quartz", "wombat", "paprika", "zeppelin", "nutmeg",
+    "armadillo", "tangerine",
+]
+
+
+def _person(rng: random.Random) -> str:
+    return f"{rng.choice(FIRST_NAMES)} {rng.choice(SURNAMES)}"
+
+
+def _titled(rng: random.Random) -> str:
+    return f"{rng.choice(TITLES)} {rng.choice(SURNAMES)}"
+
+
+# kind -> rng -> (key, value, stated): the key reads after "What is ..." and before "... is <stated>"; ``stated``
+# is the value as the note gives it (with an article for objects), ``value`` the expected answer.
+FACT_TEMPLATES: dict[str, Callable[[random.Random], tuple[str, str, str]]] = {
+    "code": lambda r: _plain(f"the access code for the {r.choice(DIRECTIONS)} {r.choice(LOCKED_PLACES)}",
+                             str(r.randint(1000, 9999))),
+    "name": lambda r: _plain(f"the name of the {r.choice(ROLES)}", _person(r)),
+    "locker": lambda r: _plain(f"the locker number of {_titled(r)}", str(r.randint(100, 999))),
+    "colour": lambda r: _plain(f"the colour of {_person(r)}'s {r.choice(OWNED_THINGS)}", r.choice(COLOURS)),
+    "object": lambda r: _with_article(f"the object hidden in the {r.choice(CONTAINERS)} at {r.choice(SITES)}",
+                                      r.choice(HIDDEN_OBJECTS)),
+    "count": lambda r: _plain(f"the number of {r.choice(COUNTED_THINGS)} on the {r.choice(SURNAMES)} estate",
+                              str(r.randint(13, 97))),
+    "town": lambda r: _plain(f"the town where {_titled(r)} was born", r.choice(TOWNS)),
+    "password": lambda r: _plain(f"the password for the {r.choice(DIRECTIONS)} {r.choice(LOCKED_PLACES)}",
+                                 r.choice(PASSWORDS)),
+}
+
+
+def _plain(key: str, value: str) -> tuple[str, str, str]:
+    return key, value, value
+
+
+def _with_article(key: str, value: str) -> tuple[str, str, str]:
+    return key, value, ("an " if value[0].lower() in "aeiou" else "a ") + value
+
+
+def fact_sentence(key: str, stated: str) -> str:
+    """The sentence that plants a fact: ``Note: <key> is <stated value>.``"""
+    return f"Note: {key} is {stated}."
+
+
+def question_for(fact: Fact) -> str:
+    """The question about a fact; the answer is expected right after ``Answer:``."""
+    return f"Question: What is {fact.key}?\nAnswer:"
+
+
+def make_facts(rng: random.Random, k: int) -> list[Fact]:
+    """``k`` facts with distinct keys and distinct values, templates cycled in a shuffled order.
+
+    Different templates are used before any repeats (up to the number of templates).
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    kinds = list(FACT_TEMPLATES)
+    rng.shuffle(kinds)
+    facts: list[Fact] = []
+    keys: set[str] = set()
+    values: set[str] = set()
+    attempts = 0
+    while len(facts) < k:
+        attempts += 1
+        if attempts > 1000 * (k + 1):
+            raise RuntimeError(f"could not draw {k} distinct facts")
+        kind = kinds[len(facts) % len(kinds)]
+        key, value, stated = FACT_TEMPLATES[kind](rng)
+        if key in keys or value.lower() in values:
+            continue
+        keys.add(key)
+        values.add(value.lower())
+        facts.append(Fact(key=key, value=value, sentence=fact_sentence(key, stated), kind=kind))
+    return facts
+
+
+# --- retention cases -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetentionCase:
+    """A long prompt with planted facts and a question about one of them.
+
+    ``prompt`` is the instruction and the prose with the facts inserted (no question); ``depths[i]`` is where
+    ``facts[i].sentence`` starts, as a fraction of ``len(prompt)`` in characters; ``asked`` indexes the fact the
+    ``question`` is about and ``answer`` is its value. Feed ``prompt``, evict, then feed
+    ``QUESTION_SEPARATOR + question`` (or use :attr:`text` for the whole thing) and judge the generation with
+    :func:`score_answer`. ``target_tokens`` is the length the prompt was grown to (at least); ``source`` is the
+    slug of the book the passage starts in.
+    """
+
+    prompt: str
+    facts: tuple[Fact, ...]
+    depths: tuple[float, ...]
+    question: str
+    answer: str
+    target_tokens: int
+    asked: int = 0
+    source: str = ""
+
+    @property
+    def asked_fact(self) -> Fact:
+        """The fact the question is about."""
+        return self.facts[self.asked]
+
+    @property
+    def asked_depth(self) -> float:
+        """Where the asked fact sits in the prompt (fraction of its characters)."""
+        return self.depths[self.asked]
+
+    @property
+    def text(self) -> str:
+        """Prompt and question together."""
+        return self.prompt + QUESTION_SEPARATOR + self.question
+
+
+def _insert_facts(
+    paragraphs: list[str], facts: list[Fact], wanted: list[float]
+) -> tuple[str, tuple[float, ...]] | None:
+    """The prompt with each fact inserted at the sentence start nearest its wanted depth (distinct starts),
+    and the depths where the sentences ended up; ``None`` if there are fewer sentence starts than facts."""
+    passage = PARAGRAPH_SEPARATOR.join(paragraphs)
+    candidates: list[int] = []
+    offset = 0
+    for para in paragraphs:
+        candidates.extend(offset + s for s in sentence_starts(para))
+        offset += len(para) + len(PARAGRAPH_SEPARATOR)
+    if len(candidates) < len(facts):
+        return None
+    taken: dict[int, Fact] = {}
+    for fact, depth in zip(facts, wanted, strict=True):
+        target = depth * len(passage)
+        pos = min((c for c in candidates if c not in taken), key=lambda c: (abs(c - target), c))
+        taken[pos] = fact
+    for pos in sorted(taken, reverse=True):
+        passage = passage[:pos] + taken[pos].sentence + " " + passage[pos:]
+    prompt = INSTRUCTION + PARAGRAPH_SEPARATOR + passage
+    depths = tuple(prompt.index(f.sentence) / len(prompt) for f in facts)
+    return prompt, depths
+
+
+def _retention_case(
+    corpus: _Corpus, rng: random.Random, target_tokens: int, facts_per_case: int
+) -> RetentionCase:
+    facts = make_facts(rng, facts_per_case)
+    wanted = [rng.uniform(*DEPTH_RANGE) for _ in facts]
+    asked = rng.randrange(len(facts))
+    count = corpus.count_tokens
+    overhead = count(INSTRUCTION) + sum(count(f.sentence) for f in facts)
+    slug, index = corpus.start(rng, target_tokens - overhead)
+
+    paragraphs: list[str] = []
+    estimate = overhead
+    stream = corpus.paragraphs_from(slug, index)
+    for para, tokens in stream:
+        paragraphs.append(para)
+        estimate += tokens + corpus.separator_tokens
+        if estimate >= target_tokens:
+            break
+    while True:
+        built = _insert_facts(paragraphs, facts, wanted)
+        if built is not None and count(built[0]) >= target_tokens:
+            break
+        nxt = next(stream, None)
+        if nxt is None:
+            raise ValueError(f"the shipped prose is too short for a {target_tokens}-token prompt")
+        paragraphs.append(nxt[0])
+    prompt, depths = built
+    fact = facts[asked]
+    return RetentionCase(
+        prompt=prompt,
+        facts=tuple(facts),
+        depths=depths,
+        question=question_for(fact),
+        answer=fact.value,
+        target_tokens=target_tokens,
+        asked=asked,
+        source=slug,
+    )
+
+
+def make_retention_cases(
+    n: int,
+    target_tokens: int,
+    count_tokens: Callable[[str], int],
+    seed: int,
+    facts_per_case: int = 4,
+) -> list[RetentionCase]:
+    """``n`` retention cases whose prompts have at least ``target_tokens`` tokens by ``count_tokens``.
+
+    Each case: a random book and a random start paragraph (chosen so that the rest of the book is long enough,
+    when any start is), the instruction, then paragraphs appended until the prompt with its facts reaches the
+    target (a passage longer than the book continues into the next one); ``facts_per_case`` facts inserted at
+    sentence starts nearest to depths drawn uniformly from 0.05-0.95 of the passage; the question about one
+    of them, chosen at random. Deterministic: case ``i`` depends only on ``(seed, i)``.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if target_tokens <= 0:
+        raise ValueError(f"target_tokens must be positive, got {target_tokens}")
+    if facts_per_case < 1:
+        raise ValueError(f"facts_per_case must be >= 1, got {facts_per_case}")
+    corpus = _Corpus(count_tokens)
+    cases = [
+        _retention_case(corpus, random.Random(f"retention:{seed}:{i}"), target_tokens, facts_per_case)
+        for i in range(n)
+    ]
+    log.debug("made %d retention cases of >= %d tokens (seed %d)", n, target_tokens, seed)
+    return cases
+
+
+# --- streaming texts -----------------------------------------------------------------------------------------
+
+
+def make_stream_texts(n: int, target_tokens: int, count_tokens: Callable[[str], int], seed: int) -> list[str]:
+    """``n`` contiguous passages of at least ``target_tokens`` tokens each, for streaming perplexity.
+
+    A random book and start paragraph per text (as in :func:`make_retention_cases`), paragraphs joined by a
+    blank line. Deterministic: text ``i`` depends only on ``(seed, i)``.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if target_tokens <= 0:
+        raise ValueError(f"target_tokens must be positive, got {target_tokens}")
+    corpus = _Corpus(count_tokens)
+    texts = []
+    for i in range(n):
+        rng = random.Random(f"stream:{seed}:{i}")
+        slug, index = corpus.start(rng, target_tokens)
+        paragraphs: list[str] = []
+        estimate = 0
+        stream = corpus.paragraphs_from(slug, index)
+        for para, tokens in stream:
+            paragraphs.append(para)
+            estimate += tokens + corpus.separator_tokens
+            if estimate >= target_tokens:
+                break
+        text = PARAGRAPH_SEPARATOR.join(paragraphs)
+        while count_tokens(text) < target_tokens:
+            nxt = next(stream, None)
+            if nxt is None:
+                raise ValueError(f"the shipped prose is too short for a {target_tokens}-token text")
+            paragraphs.append(nxt[0])
+            text = PARAGRAPH_SEPARATOR.join(paragraphs)
+        texts.append(text)
+    log.debug("made %d stream texts of >= %d tokens (seed %d)", n, target_tokens, seed)
+    return texts
+
+
+# --- scoring -------------------------------------------------------------------------------------------------
+
+
+ARTICLES = ("a", "an", "the")
+
+
+def normalize_answer(text: str) -> list[str]:
+    """Case-folded words of ``text`` with all punctuation removed (Unicode categories P* and S*) and one
+    leading article (a, an, the) dropped.
+
+    Punctuation is deleted, not replaced by a space: ``"4,817"`` -> ``["4817"]``, ``"Fenwick."`` ->
+    ``["fenwick"]``, ``"Fenwick-Smith"`` -> ``["fenwicksmith"]``; ``"A brass compass"`` -> ``["brass",
+    "compass"]``.
+    """
+    kept = "".join(ch for ch in text.casefold() if not unicodedata.category(ch).startswith(("P", "S")))
+    words = kept.split()
+    if len(words) > 1 and words[0] in ARTICLES:
+        words = words[1:]
+    return words
+
+
+def score_answer(generated: str, answer: str) -> bool:
+    """Whether a generation gives ``answer``: after :func:`normalize_answer`, its first words are exactly the
+    answer's words.
+
+    So ``" 4817."``, ``"4817 is the code"``, ``"Aldous Fenwick, the cook"`` and ``"a brass compass"`` are right
+    for ``4817``, ``Aldous Fenwick`` and ``brass compass``; ``"48170"``, ``"481"``, ``"Aldous"`` (a truncated
+    name) and ``"The code is 4817"`` (the answer not first) are wrong. An empty generation or an empty answer
+    is never right. Generate at least as many tokens as the longest answer needs (answers here are one to
+    three words).
+    """
+    want = normalize_answer(answer)
+    got = normalize_answer(generated)
+    return bool(want) and got[: len(want)] == want

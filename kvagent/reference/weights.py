@@ -1,0 +1,182 @@
+"""Read a GGUF file into the torch reference model's hyper-parameters and float32 weights.
+
+The same file llama.cpp runs, dequantized with the ``gguf`` package (the reader llama.cpp's own Python
+tools use). Two architectures are supported: ``llama`` (SmolLM2) and ``gemma3`` (sliding-window layers,
+sandwich norms, q/k norms). Weight layout follows ``torch.nn.Linear``: ``[out_features, in_features]``.
+
+Facts of llama.cpp's GGUF conversion this relies on (convert_hf_to_gguf.py, llama-model.cpp):
+- llama: the Q/K projections are permuted so that RoPE rotates *adjacent* pairs (ggml's NORM mode);
+- gemma3: norm weights already include Gemma's ``1 +`` shift; RoPE rotates halves (NEOX mode); local
+  (sliding) layers use RoPE base 10,000, every 6th layer is global and uses the file's base;
+  embeddings are scaled by ``sqrt(n_embd)``; attention scale ``1/sqrt(head_dim)``;
+- both tie the output projection to ``token_embd`` when the file has no ``output.weight``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from kvagent.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+# quantization types the gguf package's numpy dequantizer handles and we have checked on real files
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Hyper-parameters of one model, read from GGUF metadata.
+
+    ``swa_layers[i]`` is True where layer ``i`` attends within ``sliding_window`` positions;
+    ``rope_bases[i]`` is that layer's RoPE base.
+    """
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    norm_eps: float
+    rope_bases: tuple[float, ...]
+    rope_style: str  # "interleaved" (ggml NORM: adjacent pairs) | "neox" (halves)
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    embed_scale: float = 1.0
+    attn_scale: float = 1.0
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    qk_norm: bool = False
+    sandwich_norm: bool = False  # gemma: norms after attention and after the FFN as well
+    bos_id: int | None = None
+    add_bos: bool = False
+
+    def is_swa(self, layer: int) -> bool:
+        return bool(self.swa_layers and self.swa_layers[layer])
+
+
+@dataclass
+class Weights:
+    """Dequantized float32 weights: ``global_`` by GGUF name (no ``blk.`` prefix), ``layers[i]`` by
+    name within block ``i``; ``None`` for blocks that were not loaded."""
+
+    args: ModelArgs
+    global_: dict[str, np.ndarray] = field(default_factory=dict)
+    layers: list[dict[str, np.ndarray] | None] = field(default_factory=list)
+
+
+def _field(reader: object, key: str, default: object = None) -> object:
+    f = reader.fields.get(key)  # type: ignore[attr-defined]
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_args(reader: object, path: Path) -> ModelArgs:
+    """Hyper-parameters from GGUF metadata; :class:`UnsupportedModelError` for another architecture."""
+    arch = str(_field(reader, "general.architecture", "?"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path.name}: architecture {arch!r} is not supported by the torch reference model; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (the llama.cpp backend runs it without the reference)"
+        )
+
+    def hp(key: str, default: object = None) -> object:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise UnsupportedModelError(f"{path.name}: GGUF metadata {arch}.{key} is missing")
+        return value
+
+    n_layer, n_embd, n_head = int(hp("block_count")), int(hp("embedding_length")), int(hp("attention.head_count"))
+    n_kv_head = int(hp("attention.head_count_kv", n_head))
+    head_dim = int(hp("attention.key_length", n_embd // n_head))
+    base = float(hp("rope.freq_base", 10000.0))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    n_vocab = int(hp("vocab_size", len(tokens) if tokens is not None else 0))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    common = dict(
+        arch=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        head_dim=head_dim,
+        n_ff=int(hp("feed_forward_length")),
+        n_vocab=n_vocab,
+        norm_eps=float(hp("attention.layer_norm_rms_epsilon")),
+        bos_id=None if bos is None else int(bos),
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    )
+    if arch == "llama":
+        return ModelArgs(**common, rope_bases=(base,) * n_layer, rope_style="interleaved",
+                         attn_scale=1.0 / math.sqrt(head_dim))  # fmt: skip
+    # gemma3 (llama-model.cpp): swa pattern 6 -> layers with i % 6 < 5 slide; local RoPE base 10k
+    swa = tuple(i % 6 < 5 for i in range(n_layer))
+    return ModelArgs(
+        **common,
+        rope_bases=tuple(10000.0 if s else base for s in swa),
+        rope_style="neox",
+        sliding_window=int(hp("attention.sliding_window")),
+        swa_layers=swa,
+        embed_scale=math.sqrt(n_embd),
+        attn_scale=1.0 / math.sqrt(head_dim),
+        activation="gelu_tanh",
+        qk_norm=True,
+        sandwich_norm=True,
+    )
+
+
+def dequantize(tensor: object, path: Path) -> np.ndarray:
+    from gguf import quants  # optional dependency, imported with the reference model
+
+    qtype = tensor.tensor_type.name  # type: ignore[attr-defined]
+    if qtype not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"{path.name}: tensor {tensor.name} has quantization type {qtype}, which the reference "  # type: ignore[attr-defined]
+            f"dequantizer does not handle; supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    data = np.asarray(tensor.data)  # type: ignore[attr-defined]
+    if qtype in ("F32", "F16"):
+        return data.astype(np.float32, copy=True)
+    return np.ascontiguousarray(quants.dequantize(data, tensor.tensor_type), dtype=np.float32)  # type: ignore[attr-defined]
+
+
+def load_weights(path: Path, layers: Iterable[int] | None = None, with_embeddings: bool = True) -> Weights:
+    """Dequantize the file's tensors to float32. ``layers`` limits which blocks are read (the fast
+    surprise pass needs only the last one); ``with_embeddings=False`` skips the token embedding."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise UnsupportedModelError(
+            "the torch reference model needs the optional extra: `pip install torch==2.13.0 'kvagent[torch]'`"
+        ) from exc
+    reader = GGUFReader(str(path))
+    args = read_args(reader, path)
+    wanted = set(range(args.n_layer)) if layers is None else set(layers)
+    weights = Weights(args, {}, [None] * args.n_layer)
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name.startswith("blk."):
+            _, index, rest = name.split(".", 2)
+            i = int(index)
+            if i not in wanted:
+                continue
+            block = weights.layers[i]
+            if block is None:
+                block = weights.layers[i] = {}
+            block[rest] = dequantize(tensor, path)
+        elif name != "token_embd.weight" or with_embeddings:
+            weights.global_[name] = dequantize(tensor, path)
+    if with_embeddings and "output.weight" not in weights.global_ and "token_embd.weight" not in weights.global_:
+        raise UnsupportedModelError(f"{path.name}: neither output.weight nor token_embd.weight is present")
+    log.info("reference weights for %s: %d blocks, arch %s", path.name, len(wanted), args.arch)
+    return weights
