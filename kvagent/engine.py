@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,6 +55,9 @@ class EngineSettings(BaseModel):
     """Flash attention; off by default (faster here for short suffixes over a long cache)."""
     swa_full: bool = True
     """Keep full-size caches for sliding-window layers so sequence operations stay exact."""
+    capture: Literal["none", "native", "python"] = "none"
+    """Activation capture (``backend.capture``, see ``kvagent.native``): none, the C callback, or the
+    pure-Python one (slower; also the fallback when the C library cannot be built)."""
 
     def backend_config(self) -> BackendConfig:
         return BackendConfig(**self.model_dump(exclude={"model"}))

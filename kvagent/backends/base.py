@@ -29,6 +29,7 @@ class BackendConfig:
     n_gpu_layers: int = 0
     flash_attn: bool = False
     swa_full: bool = True  # Gemma 3: keep every position so sequence operations stay exact
+    capture: str = "none"  # activation capture through cb_eval: "none" | "native" | "python" (kvagent.native)
 
 
 class Backend(Protocol):

@@ -16,13 +16,16 @@ import ctypes
 import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import llama_cpp as C
 import numpy as np
 
 from kvagent.backends.base import BackendConfig
 from kvagent.errors import BackendError, KVCacheFullError
+
+if TYPE_CHECKING:
+    from kvagent.native import Capture
 
 log = logging.getLogger(__name__)
 _native_log = logging.getLogger("kvagent.llama_cpp.native")
@@ -81,6 +84,15 @@ class LlamaCppBackend:
         cparams.swa_full = cfg.swa_full
         cparams.kv_unified = True
         cparams.no_perf = True
+        self.capture: Capture | None = None
+        self._cb_eval = None  # keeps the callback alive as long as the context
+        if cfg.capture != "none":
+            from kvagent.native import load_capture
+
+            self.capture = load_capture(cfg.capture)  # type: ignore[arg-type]
+            self._cb_eval = ctypes.cast(self.capture.cb_eval, C.ggml_backend_sched_eval_callback)
+            cparams.cb_eval = self._cb_eval
+            cparams.cb_eval_user_data = self.capture.user_data
         ctx = C.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
@@ -151,6 +163,14 @@ class LlamaCppBackend:
     @property
     def n_layer(self) -> int:
         return int(C.llama_model_n_layer(self._model))
+
+    def layer_output_name(self, i: int) -> str:
+        """Graph name of layer ``i``'s output (``[n_tokens, n_embd]`` when captured); negative ``i`` counts
+        from the end. The last layer's output holds only the rows whose logits were requested."""
+        n = self.n_layer
+        if not -n <= i < n:
+            raise ValueError(f"layer {i} out of range for a model with {n} layers")
+        return f"l_out-{i % n}"
 
     @property
     def can_shift(self) -> bool:
