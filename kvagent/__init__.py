@@ -1,17 +1,27 @@
 """kvagent: keep a local LLM's KV cache alive across an agent's turns and use it as structured memory."""
 
+import os
+
+# torch (reference model, eviction policies) shares the cores with llama.cpp: its idle OpenMP threads
+# must sleep, not spin, or llama.cpp's decodes slow down ~10x in the same process. Read once, when
+# torch's OpenMP runtime loads, so it is set here, before any kvagent module can import torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from kvagent.engine import Engine, EngineSettings
 from kvagent.errors import (
     BackendError,
     ChatTemplateError,
     ContextOverflowError,
+    EvictionError,
     KVAgentError,
     KVBlobError,
     KVCacheFullError,
     ModelNotFoundError,
     SegmentOrderError,
     SessionClosedError,
+    UnsupportedModelError,
 )
+from kvagent.eviction import Eviction
 from kvagent.models import DEFAULT_MODEL, REGISTRY, ModelRef, resolve_model
 from kvagent.sampling import SamplingParams
 from kvagent.segments import Rendered, Segment, SegmentKind, Span
@@ -26,6 +36,9 @@ __all__ = [
     "ContextOverflowError",
     "Engine",
     "EngineSettings",
+    "Eviction",
+    "EvictionError",
+    "UnsupportedModelError",
     "Generation",
     "GenerationStream",
     "KVAgentError",

@@ -198,6 +198,36 @@ def bench_capture(
     )
 
 
+@bench_app.command("evict")
+def bench_evict(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="Fewer cases, policies and sizes (about 3 minutes per model)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/evict.json)."),
+) -> None:
+    """Eviction policies: fact retention, streaming perplexity, per-cycle latency (source paper B)."""
+    import sys
+
+    from kvagent.bench import evict
+
+    json_path = json_path or evict.DEFAULT_JSON
+    with console.status("eviction benchmark") as status:
+        rows = evict.run(_models(model), quick, json_path, " ".join(["kvagent", *sys.argv[1:]]),
+                         progress=lambda m: status.update(m))
+    evict.plot(rows, json_path.parent)
+
+    def fmt(r: dict) -> str:
+        if r["task"] == "retention":
+            return f"{r['score']:.2f}"
+        return f"{r['score']:.2f}" if r["score"] is not None else "-"
+
+    _print_table(
+        f"eviction ({json_path})",
+        ("model", "task", "policy", "budget / n", "score", "ms per cycle"),
+        [[r["model"], r["task"], r["policy"], str(r["budget"] if r["task"] != "latency" else r["n"]), fmt(r),
+          f"{r['cycle_ms']:.1f}" if r.get("cycle_ms") is not None else "-"] for r in rows],
+    )
+
+
 native_app = typer.Typer(help="The native activation-capture library (native/kvcapture.c).", no_args_is_help=True)
 app.add_typer(native_app, name="native")
 
@@ -339,6 +369,79 @@ def reference_check(
         json_path.write_text(json.dumps([r.as_dict() for r in results], indent=2))
     if not all(r.passed for r in results):
         raise typer.Exit(1)
+
+
+probe_app = typer.Typer(help="Causal probes of source paper A on the float32 torch reference model.", no_args_is_help=True)
+app.add_typer(probe_app, name="probe")
+
+
+@probe_app.command("notes")
+def probe_notes(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    template: list[str] = typer.Option(None, help="lookup, derived or multi; repeat for several (default: all)."),
+    cases: int = typer.Option(6, help="Flipped cases per template (drawn from the edit suite until found)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/probe-notes-<model>.json)."),
+    save_calibration: bool = typer.Option(False, help="Store the offset ranking for the selective edit (source: reference-probes)."),
+    threads: int = typer.Option(1, help="torch threads (0 = torch's default; 1 is steadiest on a shared machine)."),
+) -> None:
+    """Field share, locality patching, suffix concentration and knockout of paper A's "notes" on edit-suite cases."""
+    import sys
+
+    from kvagent.bench import probe_notes as pn
+    from kvagent.bench.edit_suite import TEMPLATES
+
+    names = template or list(TEMPLATES)
+    unknown = [t for t in names if t not in TEMPLATES]
+    if unknown:
+        console.print(f"[red]error:[/] unknown template(s) {', '.join(unknown)}: use {', '.join(TEMPLATES)}")
+        raise typer.Exit(2)
+    try:
+        with console.status("probing") as status:
+            summaries = pn.run(_models(model), names, cases, json_path, " ".join(["kvagent", *sys.argv[1:]]),
+                               save_calibration, threads, progress=lambda m: status.update(m))
+    except KVAgentError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from exc
+    for s in summaries:
+        for name in [*names, "all"]:
+            g = s.get(name)
+            if not g:
+                continue
+            ks = list(g["top_k"])
+            console.print(
+                f"[bold]{s['model']} {name}[/]: {g['n_cases']} flipped cases ({g['n_both_correct']} right both times); "
+                f"field share (value K/V only) mean {g['field_share_mean']:.3f}, median {g['field_share_median']:.3f}; "
+                f"field segment {g['segment_share_mean']:.3f}; downstream without the field {g['downstream_share_mean']:.3f}; "
+                f"10% nearest the question carry {g['near_share_mean']:.1%} of |effects|"
+            )
+            _print_table(
+                f"{s['model']} {name}: top notes (field + position; effect = increment over the field-only edit)",
+                ("offset", "token", "mean effect", "n", "| alone: offset", "token", "mean restored"),
+                [[str(a["offset"]), repr(a["text"]), f"{a['mean_effect']:+.4f}", str(a["n"]), str(b["offset"]),
+                  repr(b["text"]), f"{b['mean_restored']:+.4f}"] for a, b in zip(g["top_offsets"], g["top_offsets_alone"])],
+            )
+            _print_table(
+                f"{s['model']} {name}: suffix concentration (restored) and knockout (share of the old margin lost, "
+                f"{g['n_knockout']} cases with a margin >= 0.5; logits lost over all cases)",
+                ("k", "field + top-k", "field + last-k", "KO top-k", "KO random k", "KO top-k logits",
+                 "KO random logits", "KO top-k flips"),
+                [[str(k), f"{g['top_k'][k]:.3f}", f"{g['last_k'][k]:.3f}", f"{g['knockout_top'][k]:.3f}",
+                  f"{g['knockout_random'][k]:.3f}", f"{g['knockout_top_logits'][k]:+.2f}",
+                  f"{g['knockout_random_logits'][k]:+.2f}", f"{g['knockout_top_flips'][k]:.0%}"] for k in ks],
+            )
+            console.print(
+                f"  knockout (share of old margin / logits): field {g['knockout_field']:.3f} / "
+                f"{g['knockout_field_logits']:+.2f}, all downstream {g['knockout_downstream']:.3f} / "
+                f"{g['knockout_downstream_logits']:+.2f}, field + downstream {g['knockout_all']:.3f} / "
+                f"{g['knockout_all_logits']:+.2f} (mean old margin {g['margin_old_mean']:.2f} logits)"
+            )
+        cal = s["calibration"]
+        console.print(
+            f"{s['model']}: selective on the reference with the pooled ranking ({', '.join(cal['templates'])}, in-sample): "
+            + ", ".join(f"K={k}: {r:.2f}" for k, r in cal["selective_recovery_by_k"].items())
+            + f"; K={cal['k']}" + (" [green]saved to the calibration store[/]" if cal["saved"] else "")
+            + f"; dropped: {s['dropped']}; JSON: {s['json']}"
+        )
 
 
 @app.command()

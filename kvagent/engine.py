@@ -23,6 +23,7 @@ from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
 from kvagent.segments import Renderer, Segment, common_prefix
 
 if TYPE_CHECKING:
+    from kvagent.eviction import Eviction
     from kvagent.edits import EditStrategy
     from kvagent.skills.fidelity import FidelityGuard
     from kvagent.skills.library import SkillLibrary
@@ -97,6 +98,7 @@ class Engine:
         compact_after: int | None = None,
         share_prefix: bool = True,
         fidelity: FidelityGuard | None = None,
+        eviction: Eviction | None = None,
     ) -> Session:
         """Open a session on a free sequence.
 
@@ -105,9 +107,13 @@ class Engine:
         ``kvagent.edits``); ``compact_after`` folds errata back into the fields once more than that many
         have accumulated. ``share_prefix=False`` never starts from another session's cells (a cold
         prefill, as benchmarks and oracles need). ``fidelity`` checks sampled transplants against a
-        recompute and falls back below its threshold.
+        recompute and falls back below its threshold. ``eviction`` (``kvagent.eviction.Eviction``: policy,
+        budget J, chunk h) prunes the cache in cycles instead of failing when the prompt outgrows it.
         """
+        from kvagent.eviction import Evictor
         from kvagent.session import Session
+
+        evictor = Evictor(eviction, self.backend, self.model.path) if eviction is not None else None
 
         with self.lock:
             renderer = self.renderer(chat)
@@ -115,7 +121,7 @@ class Engine:
             try:
                 session = Session(
                     self, seq, renderer, list(segments), fields=fields, edit_strategy=edit_strategy,
-                    compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity,
+                    compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity, evictor=evictor,
                 )
             except Exception:  # a refused argument must not leak the sequence
                 self._free.append(seq)

@@ -70,3 +70,8 @@ class UnsupportedModelError(KVAgentError):
 
 class EvictionError(KVAgentError):
     """An eviction policy name, budget or cycle setting is invalid, or a cache cannot be pruned."""
+
+
+class ProbeInputError(KVAgentError):
+    """A causal probe's input is inconsistent: e.g. the old and new field values differ in token length,
+    a span is empty, or the edit does not move the decision score at all."""

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvagent.skills.library import CompiledSkill
     from kvagent.skills.spec import SkillSpec
     from kvagent.engine import Engine
+    from kvagent.eviction import CycleReport, Evictor
     from kvagent.fields import FieldSpec
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Session:
         compact_after: int | None = None,
         share_prefix: bool = True,
         fidelity: FidelityGuard | None = None,
+        evictor: Evictor | None = None,
     ) -> None:
         from kvagent.edits import get_strategy
 
@@ -128,6 +130,9 @@ class Session:
         # (llama.cpp saves no more), so the cache may not be cut below this position and extended
         # again; a cut below it recomputes from 0. 0 = no such limit.
         self._floor = 0
+        # eviction (source paper B): positions whose KV a cycle removed; the span table still covers them
+        self._evictor = evictor
+        self._evicted: frozenset[int] = frozenset()
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -140,8 +145,30 @@ class Session:
 
     @property
     def tokens(self) -> tuple[int, ...]:
-        """Token ids whose KV this session's sequence holds, at positions ``0..len-1``."""
+        """Token ids of the cached prompt at positions ``0..len-1`` (minus :attr:`evicted_positions`)."""
         return self._cached
+
+    @property
+    def evicted_positions(self) -> frozenset[int]:
+        """Positions an eviction cycle removed from the cache (kept positions never move)."""
+        return self._evicted
+
+    @property
+    def cached_positions(self) -> tuple[int, ...]:
+        """Positions whose KV the sequence holds, ascending."""
+        return tuple(p for p in range(len(self._cached)) if p not in self._evicted)
+
+    @property
+    def cycles(self) -> tuple[CycleReport, ...]:
+        """Every eviction cycle this session ran (empty without an eviction policy)."""
+        return tuple(self._evictor.cycles) if self._evictor is not None else ()
+
+    def cached_spans(self) -> list[tuple[Span, tuple[int, ...]]]:
+        """Provenance: each span of the prompt with the positions of it still cached."""
+        return [
+            (span, tuple(p for p in range(span.first, span.last + 1) if p not in self._evicted))
+            for span in self.rendered.spans
+        ]
 
     @property
     def rendered(self) -> Rendered:
@@ -169,7 +196,8 @@ class Session:
         """Length of the cached prefix other sessions may share: no stale position, no missing window."""
         if self._floor:
             return 0
-        return min(self._stale) if self._stale else len(self._cached)
+        dirty = self._stale | self._evicted
+        return min(dirty) if dirty else len(self._cached)
 
     @property
     def field_values(self) -> dict[str, object]:
@@ -232,10 +260,11 @@ class Session:
         """Make the sequence hold exactly ``rendered.tokens`` with next-token logits available."""
         start = time.perf_counter()
         new = rendered.tokens
-        if len(new) > self.n_ctx:
+        if len(new) > self.n_ctx and self._evictor is None:
             raise ContextOverflowError(
-                f"prompt of {len(new)} tokens does not fit the context of {self.n_ctx}: shorten it, or load the "
-                "engine with a larger n_ctx (nothing was cut or changed)"
+                f"prompt of {len(new)} tokens does not fit the context of {self.n_ctx}: shorten it, load the "
+                "engine with a larger n_ctx, or open the session with an eviction policy "
+                "(engine.session(..., eviction=Eviction('surprise', budget=...))); nothing was cut or changed"
             )
         keep = common_prefix(self._cached, new)
         if keep == len(new) == len(self._cached) and self._logits is not None:
@@ -248,7 +277,7 @@ class Session:
         start_at = max(keep, shared)
         plan = self._plan(rendered, start_at)  # blobs are fetched and checked before the cache changes
         backend = self._backend
-        backend.seq_rm(self.seq, keep, -1)
+        self._cut(keep)
         self._stale = frozenset(p for p in self._stale if p < keep)
         if keep == 0:
             self._floor = 0
@@ -270,11 +299,10 @@ class Session:
                     if n_swa and copied + skill.n_sink > n_swa:  # its middle SWA cells did not travel
                         self._floor = max(self._floor, end)
                 else:
-                    n = end - first
-                    outputs = [False] * (n - 1) + [end == len(new)]
-                    logits = backend.decode(new[first:end], range(first, end), [self.seq] * n, outputs)
-                    computed += n
+                    logits = self._decode_run(new, first, end, rendered)
+                    computed += end - first
                 self._cached = new[:end]
+                self._maybe_cycle(rendered)
             if plan[-1][2] is not None:  # the prompt ends inside a skill: decode its last token again
                 backend.seq_rm(self.seq, len(new) - 1, -1)
                 logits = backend.decode([new[-1]], [len(new) - 1], [self.seq], [True])
@@ -293,6 +321,46 @@ class Session:
         report = PrefillReport(keep, computed, time.perf_counter() - start, gained, transplanted, fidelity, fell_back)
         log.debug("seq %d sync: reused %d (shared %d), computed %d, transplanted %d", self.seq, keep, gained, computed, transplanted)
         return report
+
+    # -- eviction (kvagent.eviction; source paper B) ---------------------------------------------------
+    def _cells(self) -> int:
+        return len(self._cached) - len(self._evicted)
+
+    def _cut(self, position: int) -> None:
+        """Remove every cell from ``position`` on (and what eviction recorded about them)."""
+        self._backend.seq_rm(self.seq, position, -1)
+        if self._evicted:
+            self._evicted = frozenset(p for p in self._evicted if p < position)
+        if self._evictor is not None:
+            self._evictor.forget_from(position)
+
+    def _decode_run(self, tokens: tuple[int, ...], first: int, end: int, rendered: Rendered) -> np.ndarray:
+        """Decode ``tokens[first:end]`` at their positions (logits of the last one if it ends the prompt).
+        With an eviction policy: in chunks of h tokens, a cycle whenever one is due."""
+        want_last = end == len(tokens)
+        ev = self._evictor
+        if ev is None:
+            n = end - first
+            return self._backend.decode(tokens[first:end], range(first, end), [self.seq] * n, [False] * (n - 1) + [want_last])
+        logits = np.zeros((0, self._backend.n_vocab), np.float32)
+        s = first
+        while s < end:
+            # a chunk stops where a cycle falls due, so the cells never exceed budget + chunk
+            e = min(end, s + ev.chunk, s + max(ev.budget + ev.chunk - self._cells(), 1))
+            logits = ev.decode(tokens[s:e], range(s, e), self.seq, [False] * (e - s - 1) + [want_last and e == end])
+            self._cached = tokens[:e]
+            self._maybe_cycle(rendered)
+            s = e
+        return logits
+
+    def _maybe_cycle(self, rendered: Rendered) -> None:
+        ev = self._evictor
+        if ev is None or not ev.due(self._cells()):
+            return
+        pinned_at = {p for span in rendered.spans if span.pinned for p in range(span.first, span.last + 1)}
+        positions = self.cached_positions
+        report = ev.cycle(self.seq, [self._cached[p] for p in positions], positions, [p in pinned_at for p in positions])
+        self._evicted = self._evicted | frozenset(report.evicted)
 
     def _guard(self, guard: FidelityGuard, tokens: tuple[int, ...], start: int) -> tuple[float, bool]:
         """Compare with a full prefill in a scratch sequence; below threshold, adopt its cells."""
@@ -403,6 +471,11 @@ class Session:
         """
         with self._engine.lock:
             self._check_open()
+            if self._evicted:
+                # the downstream KV is partly evicted: nothing to keep stale, recompute from the field
+                log.info("splice of %s after eviction: recomputing from the field", name)
+                segments = [s.with_value(value) if s.kind is SegmentKind.FIELD and s.name == name else s for s in self._segments]
+                return self.replace(segments)
             start = time.perf_counter()
             old = self.rendered
             if self._cached != old.tokens:
@@ -546,7 +619,7 @@ class Session:
                 if out.stopped:
                     finish = "stop"
                 done = out.stopped or len(ids) >= max_tokens
-                if not done and len(self._cached) + reserve > self.n_ctx:
+                if not done and self._cells() + reserve > self.n_ctx:
                     self._rollback(call_start, original)
                     raise ContextOverflowError(
                         f"the context of {self.n_ctx} tokens filled up after {len(ids)} generated tokens: the turn "
@@ -555,9 +628,13 @@ class Session:
                     )
                 if not done:
                     pos = len(self._cached)
-                    logits = backend.decode([token], [pos], [self.seq], [True])[0]
+                    if self._evictor is not None:
+                        logits = self._evictor.decode([token], [pos], self.seq, [True])[0]
+                    else:
+                        logits = backend.decode([token], [pos], [self.seq], [True])[0]
                     self._cached = (*self._cached, token)
                     self._logits = logits
+                    self._maybe_cycle(rendered)
             if piece:
                 yield piece
             if done:
@@ -581,7 +658,7 @@ class Session:
             )
 
     def _rollback(self, first: int, segments: list[Segment]) -> None:
-        self._backend.seq_rm(self.seq, first, -1)
+        self._cut(first)
         self._cached, self._logits = self._cached[:first], None
         self._segments, self._rendered = segments, None
 
@@ -607,6 +684,11 @@ class Session:
         with self._engine.lock:
             self._check_open()
             self._sync(self.rendered)
+            if self._evicted:
+                raise KVAgentError(
+                    f"this session evicted {len(self._evicted)} positions; saving a cache with holes is not supported: "
+                    "save before the first eviction cycle, or save the segments and prefill them again"
+                )
             payload = self._backend.seq_save(self.seq)
             logits = self._require_logits().astype(np.float32).tobytes()
             return KVBlob(self._engine.fingerprint, self._backend.format, self._cached, payload, logits).to_bytes()
@@ -633,6 +715,9 @@ class Session:
             self._backend.seq_restore(self.seq, parsed.payload)
             self._segments, self._rendered = segments, rendered
             self._cached, self._logits = parsed.tokens, logits
+            self._evicted = frozenset()
+            if self._evictor is not None:
+                self._evictor.forget_from(0)  # restored cells come without captured hidden states
             self._stale = frozenset()  # stale marks are not part of a blob: save sessions after a clean sync
             n_swa = self._backend.n_swa
             self._floor = len(parsed.tokens) if n_swa and len(parsed.tokens) > n_swa else 0

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# before torch loads anywhere: idle OpenMP threads must not spin against llama.cpp (kvagent.reference)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from typing import Iterator
 
 import numpy as np

@@ -17,6 +17,9 @@ class Calibration:
     offsets: tuple[int, ...]
     recovery: float  # selective recovery at this k on the calibration cases
     n_flips: int
+    # where the ranking came from: llama.cpp patching (`kvagent edits calibrate`) or the float32 torch
+    # reference's probes (`kvagent probe notes --save-calibration`)
+    source: str = "llama.cpp-patching"
 
 
 def _path() -> os.PathLike[str]:
@@ -28,7 +31,10 @@ def load_calibration(fingerprint: str) -> Calibration | None:
         entry = json.loads(open(_path()).read())[fingerprint]
     except (OSError, ValueError, KeyError):
         return None
-    return Calibration(int(entry["k"]), tuple(int(o) for o in entry["offsets"]), float(entry["recovery"]), int(entry["n_flips"]))
+    return Calibration(
+        int(entry["k"]), tuple(int(o) for o in entry["offsets"]), float(entry["recovery"]), int(entry["n_flips"]),
+        str(entry.get("source", "llama.cpp-patching")),
+    )
 
 
 def save_calibration(fingerprint: str, calibration: Calibration) -> None:

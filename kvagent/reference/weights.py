@@ -150,9 +150,71 @@ def dequantize(tensor: object, path: Path) -> np.ndarray:
     return np.ascontiguousarray(quants.dequantize(data, tensor.tensor_type), dtype=np.float32)  # type: ignore[attr-defined]
 
 
+def _cache_dir(path: Path) -> Path:
+    from kvagent.models import cache_dir, fingerprint
+
+    return cache_dir() / "reference" / fingerprint(path)[:16]
+
+
+def _from_cache(path: Path, wanted: set[int] | None, with_embeddings: bool) -> Weights | None:
+    """Weights from the dequantized cache (one memory-mapped ``.npy`` per tensor), if every one is there."""
+    import json
+
+    root = _cache_dir(path)
+    try:
+        args = ModelArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads((root / "args.json").read_text()).items()})
+        names = json.loads((root / "tensors.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    layers = set(range(args.n_layer)) if wanted is None else {i % args.n_layer for i in wanted}
+    weights = Weights(args, {}, [None] * args.n_layer)
+    for name in names:
+        if name.startswith("blk."):
+            _, index, rest = name.split(".", 2)
+            if int(index) not in layers:
+                continue
+            target = weights.layers[int(index)] if weights.layers[int(index)] is not None else {}
+            weights.layers[int(index)] = target
+            key = rest
+        elif name == "token_embd.weight" and not with_embeddings:
+            continue
+        else:
+            target, key = weights.global_, name
+        try:
+            target[key] = np.load(root / f"{name}.npy", mmap_mode="c")  # copy-on-write: torch wants writable
+        except (OSError, ValueError):
+            return None
+    return weights
+
+
+def _to_cache(path: Path, args: ModelArgs, arrays: dict[str, np.ndarray]) -> None:
+    """Write every dequantized tensor once (atomic per file; names listed last, so a partial cache is
+    never read)."""
+    import dataclasses
+    import json
+    import os
+
+    root = _cache_dir(path)
+    root.mkdir(parents=True, exist_ok=True)
+    for name, array in arrays.items():
+        tmp = root / f"{name}.tmp{os.getpid()}.npy"
+        np.save(tmp, array)
+        tmp.replace(root / f"{name}.npy")
+    (root / "args.json").write_text(json.dumps(dataclasses.asdict(args)))
+    (root / "tensors.json").write_text(json.dumps(sorted(arrays)))
+
+
 def load_weights(path: Path, layers: Iterable[int] | None = None, with_embeddings: bool = True) -> Weights:
     """Dequantize the file's tensors to float32. ``layers`` limits which blocks are read (the fast
-    surprise pass needs only the last one); ``with_embeddings=False`` skips the token embedding."""
+    surprise pass needs only the last one; negative indices count from the end); ``with_embeddings=False``
+    skips the token embedding. The first load dequantizes every tensor into ``cache_dir()/reference/``
+    (keyed by the file's fingerprint; SmolLM2 0.5 GB, Gemma-3 1.1 GB); later loads memory-map it
+    (reading Gemma-3's GGUF metadata alone takes ~20 s: its 262k-token vocabulary)."""
+    path = Path(path)
+    wanted = None if layers is None else set(layers)
+    cached = _from_cache(path, wanted, with_embeddings)
+    if cached is not None:
+        return cached
     try:
         from gguf import GGUFReader
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -161,22 +223,27 @@ def load_weights(path: Path, layers: Iterable[int] | None = None, with_embedding
         ) from exc
     reader = GGUFReader(str(path))
     args = read_args(reader, path)
-    wanted = set(range(args.n_layer)) if layers is None else set(layers)
+    arrays = {tensor.name: dequantize(tensor, path) for tensor in reader.tensors}
+    if "output.weight" not in arrays and "token_embd.weight" not in arrays:
+        raise UnsupportedModelError(f"{path.name}: neither output.weight nor token_embd.weight is present")
+    try:
+        _to_cache(path, args, arrays)
+    except OSError as exc:  # a read-only or full cache directory only costs speed
+        log.warning("could not cache dequantized weights of %s: %s", path.name, exc)
+    log.info("reference weights for %s: arch %s, dequantized and cached", path.name, args.arch)
+    return _from_cache(path, wanted, with_embeddings) or _assemble(args, arrays, wanted, with_embeddings)
+
+
+def _assemble(args: ModelArgs, arrays: dict[str, np.ndarray], wanted: set[int] | None, with_embeddings: bool) -> Weights:
+    layers = set(range(args.n_layer)) if wanted is None else {i % args.n_layer for i in wanted}
     weights = Weights(args, {}, [None] * args.n_layer)
-    for tensor in reader.tensors:
-        name = tensor.name
+    for name, array in arrays.items():
         if name.startswith("blk."):
             _, index, rest = name.split(".", 2)
-            i = int(index)
-            if i not in wanted:
-                continue
-            block = weights.layers[i]
-            if block is None:
-                block = weights.layers[i] = {}
-            block[rest] = dequantize(tensor, path)
+            if int(index) in layers:
+                if weights.layers[int(index)] is None:
+                    weights.layers[int(index)] = {}
+                weights.layers[int(index)][rest] = array  # type: ignore[index]
         elif name != "token_embd.weight" or with_embeddings:
-            weights.global_[name] = dequantize(tensor, path)
-    if with_embeddings and "output.weight" not in weights.global_ and "token_embd.weight" not in weights.global_:
-        raise UnsupportedModelError(f"{path.name}: neither output.weight nor token_embd.weight is present")
-    log.info("reference weights for %s: %d blocks, arch %s", path.name, len(wanted), args.arch)
+            weights.global_[name] = array
     return weights

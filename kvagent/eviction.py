@@ -1,0 +1,167 @@
+"""Chunked eviction cycles for one session (source paper B, DESIGN.md): infer h tokens, prune to J.
+
+An :class:`Evictor` belongs to one session. It records the penultimate hidden state of every token the
+session decodes (when its policy needs them and the engine captures them), and on :meth:`cycle` scores
+the session's cells with its policy and removes the lowest-scored ones with ``seq_rm``. Positions of
+kept tokens never change (llama.cpp's mask is position-based, so holes are fine); pinned positions and
+the last token are always kept. The session keeps its span table and records which positions were
+evicted, so every cached position still knows its segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from kvagent.errors import EvictionError
+from kvagent.policies import CacheView, EvictionPolicy, get_policy, select_keep
+
+if TYPE_CHECKING:
+    from kvagent.backends.llama_cpp import LlamaCppBackend
+
+log = logging.getLogger(__name__)
+
+# cells kept free above budget + chunk: the closing tokens of a turn always fit
+_MARGIN = 16
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """How a session forgets: ``policy`` (a name from ``kvagent.policies.POLICIES`` or an instance),
+    ``budget`` J cells kept after a cycle, ``chunk`` h tokens inferred between cycles."""
+
+    policy: str | EvictionPolicy = "surprise"
+    budget: int = 1024
+    chunk: int = 64
+
+
+@dataclass(frozen=True)
+class CycleReport:
+    """One cycle: cells before and after, evicted positions, time scoring and in total (ms)."""
+
+    before: int
+    after: int
+    evicted: tuple[int, ...]
+    score_ms: float
+    cycle_ms: float
+
+
+class Evictor:
+    """Scores and prunes one session's sequence. Created by ``Engine.session(eviction=...)``."""
+
+    def __init__(self, config: Eviction, backend: LlamaCppBackend, model_path: Path) -> None:
+        if config.budget < 2 or config.chunk < 1:
+            raise EvictionError(f"eviction budget must be >= 2 and chunk >= 1, got budget={config.budget}, chunk={config.chunk}")
+        if config.budget + config.chunk + _MARGIN > backend.n_ctx:
+            raise EvictionError(
+                f"budget {config.budget} + chunk {config.chunk} (+{_MARGIN}) exceeds the context of {backend.n_ctx} "
+                "cells: lower the budget or the chunk, or load the engine with a larger n_ctx"
+            )
+        self.config = config
+        self.policy = get_policy(config.policy)
+        self.budget, self.chunk = config.budget, config.chunk
+        self._backend = backend
+        self._model_path = model_path
+        self._capture = backend.capture
+        self._layer = backend.layer_output_name(-2)  # output of layer L-2 = input of the last layer
+        if self.policy.needs_hidden:
+            if self._capture is None:
+                raise EvictionError(
+                    f"policy {self.policy.name!r} reads the penultimate layer's hidden states: load the engine "
+                    "with capture='native' (or 'python'), e.g. Engine.load(model, capture='native')"
+                )
+            self._capture.want([self._layer])
+        self._hidden: dict[int, np.ndarray] = {}
+        self._seen: set[int] = set()  # positions already shown to the policy in an earlier cycle
+        self.cycles: list[CycleReport] = []
+
+    # -- hidden states ----------------------------------------------------------------------------
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq: int, outputs: Sequence[bool]) -> np.ndarray:
+        """``backend.decode`` for this session, recording H^(L-1) rows when the policy needs them."""
+        capture = self._capture if self.policy.needs_hidden else None
+        if capture is None:
+            return self._backend.decode(tokens, positions, [seq] * len(tokens), outputs)
+        capture.clear()
+        capture.enabled = True
+        try:
+            logits = self._backend.decode(tokens, positions, [seq] * len(tokens), outputs)
+        finally:
+            capture.enabled = False
+        rows = capture.take().get(self._layer, [])
+        hidden = np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)
+        if hidden.shape[0] != len(tokens):
+            log.warning("captured %d hidden rows for %d tokens: not recorded", hidden.shape[0], len(tokens))
+        else:
+            for p, row in zip(positions, hidden):
+                self._hidden[int(p)] = row
+        return logits
+
+    def forget_from(self, position: int) -> None:
+        """The sequence was cut at ``position``: drop what was recorded from there on."""
+        self._hidden = {p: h for p, h in self._hidden.items() if p < position}
+        self._seen = {p for p in self._seen if p < position}
+
+    # -- cycle ------------------------------------------------------------------------------------
+    def due(self, cells: int) -> bool:
+        """A cycle is due once ``chunk`` tokens have been inferred beyond the budget."""
+        return cells >= self.budget + self.chunk
+
+    def cycle(self, seq: int, tokens: Sequence[int], positions: Sequence[int], pinned: Sequence[bool]) -> CycleReport:
+        """Prune the cells ``positions`` (ascending, with their ``tokens``) to the budget; returns what went."""
+        start = time.perf_counter()
+        pos = np.asarray(positions, dtype=np.int64)
+        view = CacheView(
+            tokens=np.asarray(tokens, dtype=np.int64),
+            positions=pos,
+            pinned=np.asarray(pinned, dtype=bool),
+            new=np.array([p not in self._seen for p in pos.tolist()]),
+            hidden=self._hidden_rows(pos) if self.policy.needs_hidden else None,
+            model_path=self._model_path,
+        )
+        scores = np.asarray(self.policy.score(view), dtype=np.float64)
+        if scores.shape != (len(view),):
+            raise EvictionError(f"policy {self.policy.name!r} returned {scores.shape} scores for {len(view)} cells")
+        score_ms = (time.perf_counter() - start) * 1000
+        keep = select_keep(scores, view.pinned, self.budget)
+        if keep.size > self.budget:
+            log.warning("pinned segments hold %d cells, more than the eviction budget %d", int(view.pinned.sum()), self.budget)
+        kept = np.zeros(len(view), dtype=bool)
+        kept[keep] = True
+        gone = pos[~kept]
+        for first, last in _runs(gone.tolist()):
+            self._backend.seq_rm(seq, first, last + 1)
+        for p in gone.tolist():
+            self._hidden.pop(p, None)
+        self._seen = set(pos[kept].tolist())
+        self.policy.kept(pos[kept])
+        report = CycleReport(len(view), int(kept.sum()), tuple(gone.tolist()), score_ms, (time.perf_counter() - start) * 1000)
+        self.cycles.append(report)
+        log.debug("eviction cycle (%s): %d -> %d cells, %.1f ms", self.policy.name, report.before, report.after, report.cycle_ms)
+        return report
+
+    def _hidden_rows(self, positions: np.ndarray) -> np.ndarray | None:
+        rows = [self._hidden.get(p) for p in positions.tolist()]
+        width = next((r.shape[0] for r in rows if r is not None), 0)
+        if not width:
+            return np.full((len(rows), 1), np.nan, dtype=np.float32)
+        out = np.full((len(rows), width), np.nan, dtype=np.float32)
+        for i, r in enumerate(rows):
+            if r is not None:
+                out[i] = r
+        return out
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Ascending positions -> inclusive ``(first, last)`` runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], p)
+        else:
+            runs.append((p, p))
+    return runs

@@ -1,0 +1,40 @@
+"""Eviction policies by name (source paper B and its baselines); see :mod:`kvagent.policies.base`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvagent.errors import EvictionError
+from kvagent.policies.attention import HeavyHitters, ImportanceSampling, LatestQuery
+from kvagent.policies.base import CacheView, EvictionPolicy, KeepSinks, select_keep
+from kvagent.policies.simple import RandomScores, Recency
+from kvagent.policies.surprise import FastSurprise, FullSurprise
+
+SINKS = 4  # first tokens every policy keeps (StreamingLLM's attention sinks)
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "surprise": lambda: KeepSinks(FastSurprise(), SINKS),
+    "surprise-full": lambda: KeepSinks(FullSurprise(), SINKS),
+    "surprise-paper": lambda: KeepSinks(FastSurprise(query="self", proxy="logit", name="surprise-paper"), SINKS),
+    "window": lambda: KeepSinks(Recency(), SINKS),
+    "h2o": lambda: KeepSinks(HeavyHitters(), SINKS),
+    "tova": lambda: KeepSinks(LatestQuery(), SINKS),
+    "importance": lambda: KeepSinks(ImportanceSampling(), SINKS),
+    "random": lambda: KeepSinks(RandomScores(), SINKS),
+}
+
+
+def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """A fresh policy instance by name (one per session: some keep state), or the instance given."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    factory = POLICIES.get(policy)
+    if factory is None:
+        raise EvictionError(f"unknown eviction policy {policy!r}: use one of {', '.join(POLICIES)}")
+    return factory()
+
+
+__all__ = [
+    "CacheView", "EvictionPolicy", "KeepSinks", "select_keep", "get_policy", "POLICIES", "FastSurprise",
+    "FullSurprise", "HeavyHitters", "ImportanceSampling", "LatestQuery", "Recency", "RandomScores",
+]

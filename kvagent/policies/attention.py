@@ -1,0 +1,86 @@
+"""Attention-score baselines: H2O, TOVA and importance sampling (the baselines of source paper B).
+
+All three read the last layer's attention, recomputed in torch from the penultimate hidden states
+llama.cpp's decode captured (:mod:`kvagent.policies.last_layer`); one layer because kvagent evicts a
+position from every layer at once. Rows without a captured hidden state are kept (score +inf).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvagent.policies import last_layer
+from kvagent.policies.base import CacheView, EvictionPolicy
+
+
+class HeavyHitters(EvictionPolicy):
+    """H2O (Zhang et al., 2023): keep the tokens with the largest attention accumulated over every query
+    since they were cached. Each cycle adds the attention of the tokens decoded since the last one
+    (summed over heads and queries) to a per-position total; evicted positions are forgotten. This is
+    the self-reinforcing score paper B argues against: kept tokens keep collecting attention."""
+
+    name = "h2o"
+    needs_hidden = True
+
+    def __init__(self) -> None:
+        self._total: dict[int, float] = {}
+
+    def accumulate(self, view: CacheView) -> np.ndarray:
+        """Update and return the accumulated attention ``[n]`` (NaN where no hidden state exists)."""
+        hidden = view.hidden
+        if hidden is None:
+            raise ValueError("h2o needs captured hidden states")
+        present = last_layer.present_rows(hidden)
+        rows = np.flatnonzero(present)
+        queries = np.flatnonzero(view.new[rows])
+        if queries.size and rows.size > 1:
+            probs = last_layer.attention(view.model_path, hidden[rows], view.positions[rows], queries)
+            gained = probs.sum(axis=(0, 1))
+            for p, g in zip(view.positions[rows].tolist(), gained.tolist()):
+                self._total[p] = self._total.get(p, 0.0) + g
+        return np.array([self._total.get(int(p), np.nan) if ok else np.nan for p, ok in zip(view.positions, present)])
+
+    def score(self, view: CacheView) -> np.ndarray:
+        total = self.accumulate(view)
+        return np.where(np.isnan(total), np.inf, total)
+
+    def kept(self, positions: np.ndarray) -> None:
+        keep = set(positions.tolist())
+        self._total = {p: s for p, s in self._total.items() if p in keep}
+
+
+class ImportanceSampling(HeavyHitters):
+    """Importance sampling: keep a random subset drawn without replacement with probability proportional
+    to accumulated attention (weighted reservoir keys ``log(u) / w``, Efraimidis & Spirakis), so
+    low-attention tokens keep a chance that H2O's deterministic top-k never gives them. Seeded."""
+
+    name = "importance"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self._rng = np.random.default_rng(seed)
+
+    def score(self, view: CacheView) -> np.ndarray:
+        total = self.accumulate(view)
+        weight = np.clip(np.nan_to_num(total, nan=np.inf), 1e-12, None)
+        return np.log(self._rng.random(len(view))) / weight
+
+
+class LatestQuery(EvictionPolicy):
+    """TOVA (Oren et al., 2024): keep the tokens the latest query attends to most (mean over heads)."""
+
+    name = "tova"
+    needs_hidden = True
+
+    def score(self, view: CacheView) -> np.ndarray:
+        hidden = view.hidden
+        if hidden is None:
+            raise ValueError("tova needs captured hidden states")
+        present = last_layer.present_rows(hidden)
+        rows = np.flatnonzero(present)
+        scores = np.full(len(view), np.inf)
+        if rows.size < 2:  # nothing captured to score: keep (the cycle still honours the budget by order)
+            return scores
+        probs = last_layer.attention(view.model_path, hidden[rows], view.positions[rows], np.array([rows.size - 1]))
+        scores[rows] = probs.mean(axis=0)[0]
+        return scores

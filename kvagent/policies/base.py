@@ -1,0 +1,89 @@
+"""Eviction policies: score every cached token, the cycle keeps the highest (source paper B, DESIGN.md).
+
+A policy is a small class with one method, :meth:`EvictionPolicy.score`: ``CacheView -> [n]`` scores,
+higher = keep. The cycle (:mod:`kvagent.eviction`) never asks a policy about pinned positions' fate:
+pinned segments (policy, fields, errata, pinned skills) and the last token are always kept. Policies
+compose by wrapping (:class:`KeepSinks` keeps the first tokens whatever the inner policy says).
+Stateful policies (H2O's accumulated attention, the full surprise pass's mirror cache) are one
+instance per session and learn what was kept through :meth:`EvictionPolicy.kept`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """What a policy may look at, for the ``n`` cells a session's sequence holds, in position order.
+
+    ``tokens, positions: [n]`` int64; ``pinned: [n]`` bool; ``new: [n]`` bool, True for tokens decoded
+    since the previous cycle; ``hidden: [n, n_embd]`` float32 penultimate-layer hidden states
+    (input of the last layer, captured from llama.cpp) or None when the engine captures nothing;
+    ``model_path`` the GGUF the engine runs (policies that compute in torch load from it).
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    pinned: np.ndarray
+    new: np.ndarray
+    hidden: np.ndarray | None
+    model_path: Path
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+
+class EvictionPolicy:
+    """Scores cached tokens; subclasses implement :meth:`score`. ``needs_hidden``: the policy reads
+    ``view.hidden`` (the engine must capture the penultimate layer)."""
+
+    name = "policy"
+    needs_hidden = False
+
+    def score(self, view: CacheView) -> np.ndarray:  # pragma: no cover - abstract
+        """``[len(view)]`` float scores, higher = keep."""
+        raise NotImplementedError
+
+    def kept(self, positions: np.ndarray) -> None:
+        """Told after each cycle which positions survived (ascending); stateful policies prune here."""
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class KeepSinks(EvictionPolicy):
+    """Wraps a policy and always keeps the first ``n`` cached positions (attention sinks, StreamingLLM)."""
+
+    def __init__(self, inner: EvictionPolicy, n: int = 4) -> None:
+        self.inner, self.n = inner, n
+        self.name = inner.name
+        self.needs_hidden = inner.needs_hidden
+
+    def score(self, view: CacheView) -> np.ndarray:
+        scores = np.asarray(self.inner.score(view), dtype=np.float64).copy()
+        scores[: self.n] = np.inf
+        return scores
+
+    def kept(self, positions: np.ndarray) -> None:
+        self.inner.kept(positions)
+
+
+def select_keep(scores: np.ndarray, pinned: np.ndarray, budget: int) -> np.ndarray:
+    """Indices (ascending) of the cells to keep: every pinned one, the last one, then the highest
+    scores until ``budget`` cells (ties: the later position wins). Pinned cells beyond the budget are
+    kept anyway; the caller reports that the budget is too small for the pinned segments."""
+    n = scores.size
+    forced = pinned.copy()
+    if n:
+        forced[-1] = True  # the last token has no future to be predicted from: always kept (paper B)
+    room = max(budget - int(forced.sum()), 0)
+    free = np.flatnonzero(~forced)
+    if room and free.size:
+        s = np.nan_to_num(np.asarray(scores, dtype=np.float64)[free], nan=-np.inf)
+        order = np.lexsort((free, s))[::-1]  # by score, then by position, descending
+        forced[free[order[:room]]] = True
+    return np.flatnonzero(forced)

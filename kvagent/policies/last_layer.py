@@ -1,0 +1,105 @@
+"""The last transformer layer in torch, fed by the penultimate hidden states captured from llama.cpp.
+
+Shared by the policies that need attention or a scoring pass but not the whole model: the fast
+counter-causal surprise (source paper B: "store H^(L-1) during the forward pass, compute Q from them
+and run the counter-causal pass in the last layer only"), H2O and TOVA (last-layer attention). The
+last layer's K and V are recomputed from H^(L-1) (attention norm, projections, RoPE at the original
+positions): the same vectors llama.cpp cached, without reading its buffers. Only the last block, the
+final norm and the (tied) output embedding are loaded from the GGUF.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=4)
+def last_layer_model(path: Path) -> object:
+    """A :class:`~kvagent.reference.model.ReferenceModel` holding only the last block (cached per file)."""
+    from kvagent.reference.model import ReferenceModel
+
+    return ReferenceModel.load(path, layers=[-1])
+
+
+def present_rows(hidden: np.ndarray) -> np.ndarray:
+    """``[n]`` bool: rows with a captured hidden state (missing rows, e.g. transplanted skills, are NaN)."""
+    return ~np.isnan(hidden[:, 0])
+
+
+def attention(path: Path, hidden: np.ndarray, positions: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Causal last-layer attention of the rows ``queries`` (indices) over all rows: ``[heads, q, n]``."""
+    import torch
+
+    from kvagent.reference.model import causal_mask
+
+    model = last_layer_model(Path(path))
+    block = model.blocks[model.args.n_layer - 1]
+    pos = torch.from_numpy(positions.astype(np.int64))
+    with torch.no_grad():
+        q, k, v = block.qkv(torch.from_numpy(hidden), pos)
+        qi = torch.from_numpy(queries.astype(np.int64))
+        mask = model.window_mask(block, causal_mask(pos[qi], pos), pos[qi], pos)
+        _, probs = block.attend(q[:, qi], k, v, mask, None, True)
+    return probs.numpy()
+
+
+def counter_causal_queries(positions: "torch.Tensor", query: str) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Which rows query, and the ``[q, n]`` counter-causal mask, for scoring each token ``x_i``.
+
+    ``query="self"``: row i itself queries keys at rows j > i (the paper's wording). Its residual
+    stream already holds x_i, so "predicting" x_i there mostly measures how strongly the embedding of
+    x_i survives to the last layer (measured: function words and punctuation then look surprising).
+    ``query="previous"``: row i-1 queries keys at rows j > i and its output scores x_i, so x_i's
+    own embedding is in neither the query nor the keys; the first row is never scored (a sink).
+    Returns ``(query_rows [q], mask [q, n])``; query row r scores token ``r + offset`` (0 or 1).
+    """
+    import torch
+
+    n = positions.numel()
+    if query == "self":
+        return torch.arange(n), torch.arange(n)[None, :] > torch.arange(n)[:, None]
+    rows = torch.arange(n - 1)
+    return rows, torch.arange(n)[None, :] > (rows[:, None] + 1)
+
+
+def counter_causal_scores(
+    path: Path, hidden: np.ndarray, positions: np.ndarray, tokens: np.ndarray, query: str = "previous", proxy: str = "logprob"
+) -> np.ndarray:
+    """``[n]``: log P (``proxy="logprob"``) or the raw logit (``"logit"``, the paper's proxy) of each
+    row's token under the counter-causal mask, from the last layer only (see
+    :func:`counter_causal_queries`). Rows that are not scored get +inf (never the most predictable)."""
+    import torch
+
+    model = last_layer_model(Path(path))
+    block = model.blocks[model.args.n_layer - 1]
+    pos = torch.from_numpy(positions.astype(np.int64))
+    h = torch.from_numpy(hidden)
+    rows, mask = counter_causal_queries(pos, query)
+    offset = 0 if query == "self" else 1
+    with torch.no_grad():
+        q, k, v = block.qkv(h, pos)
+        mask = model.window_mask(block, mask, pos[rows], pos)
+        out, _ = block.attend(q[:, rows], k, v, mask, None, False)
+        normed = model.head(block.finish(h[rows], out))
+        target = torch.from_numpy(tokens.astype(np.int64))[rows + offset]
+        score = (normed * model.output[target]).sum(-1)
+        if proxy == "logprob":
+            score = score - logsumexp_rows(normed, model.output)
+    result = np.full(len(tokens), np.inf)
+    result[(rows + offset).numpy()] = score.numpy()
+    return result
+
+
+def logsumexp_rows(normed: "torch.Tensor", output: "torch.Tensor", chunk: int = 256) -> "torch.Tensor":
+    """``[n]`` log-sum-exp of ``normed [n, d] @ output.T [d, V]`` row by row, in chunks of rows (the
+    ``[n, V]`` logits never exist at once: 1 GB for Gemma-3's vocabulary at n=1024)."""
+    import torch
+
+    parts = [torch.logsumexp(normed[s : s + chunk] @ output.T, dim=-1) for s in range(0, normed.shape[0], chunk)]
+    return torch.cat(parts)

@@ -1,0 +1,131 @@
+"""Counter-causal surprise (source paper B, "Back from the Future"): keep what the future cannot predict.
+
+Surprise ``s_i = 1 - P(x_i | x_{i+1..t})`` from a scoring pass in the original token order with an
+upper-triangular mask (position i attends only to j > i), reusing the cached K/V and recomputing Q at
+the original positions. As in the paper, the logit of ``x_i`` is the monotone proxy: score = -logit.
+
+- :class:`FastSurprise`: the paper's single-layer approximation. The penultimate hidden states
+  H^(L-1) captured from llama.cpp's decode feed the last layer only (O(n^2) instead of O(L n^2)).
+- :class:`FullSurprise`: every layer, on the torch reference model. It keeps a mirror of the session's
+  cache (``[layers, kv_heads, n, head_dim]``, extended with the tokens decoded since the last cycle,
+  then pruned like the real one), because llama.cpp does not expose its KV tensors (and keeps only a
+  window of the sliding-window layers' state).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from kvagent.policies import last_layer
+from kvagent.policies.base import CacheView, EvictionPolicy
+
+log = logging.getLogger(__name__)
+
+
+class FastSurprise(EvictionPolicy):
+    """Counter-causal surprise in the last layer from captured H^(L-1). Rows without a captured state
+    (e.g. a transplanted skill) are kept and left out of the pass. ``query`` and ``proxy``: see
+    :func:`kvagent.policies.last_layer.counter_causal_queries`; ``query="self", proxy="logit"`` is
+    the paper's literal recipe (policy ``surprise-paper``)."""
+
+    name = "surprise"
+    needs_hidden = True
+
+    def __init__(self, query: str = "previous", proxy: str = "logprob", name: str = "surprise") -> None:
+        self.query, self.proxy, self.name = query, proxy, name
+
+    def score(self, view: CacheView) -> np.ndarray:
+        hidden = view.hidden
+        if hidden is None:
+            raise ValueError("surprise needs captured hidden states")
+        present = last_layer.present_rows(hidden)
+        rows = np.flatnonzero(present)
+        scores = np.full(len(view), np.inf)
+        if rows.size < 2:  # nothing captured to score: keep (the cycle still honours the budget by order)
+            return scores
+        logp = last_layer.counter_causal_scores(
+            view.model_path, hidden[rows], view.positions[rows], view.tokens[rows], self.query, self.proxy
+        )
+        scores[rows] = -logp
+        return scores
+
+
+class FullSurprise(EvictionPolicy):
+    """Counter-causal surprise through all layers of the torch reference model (the paper's full pass),
+    with the same ``query`` / ``proxy`` choices as :class:`FastSurprise`."""
+
+    name = "surprise-full"
+
+    def __init__(self, query: str = "previous", proxy: str = "logprob") -> None:
+        self.query, self.proxy = query, proxy
+        self._model: object | None = None
+        self._path: Path | None = None
+        self._mirror: object | None = None  # reference.model.KVCache of the kept cells
+        self._tokens: list[int] = []  # the token of each mirror cell
+
+    def _load(self, path: Path) -> object:
+        from kvagent.reference.model import KVCache, ReferenceModel
+
+        if self._model is None or self._path != path:
+            self._model, self._path = ReferenceModel.load(path), path
+            self._mirror = KVCache.empty(self._model.args)  # type: ignore[attr-defined]
+        return self._model
+
+    def update_mirror(self, view: CacheView) -> object:
+        """Bring the mirror cache to the view's cells. From the first cell the mirror lacks (or holds
+        with another token: the session rewrote its tail), cells are run causally against the rest,
+        as llama.cpp decoded them."""
+        import torch
+
+        model = self._load(view.model_path)
+        mirror = self._mirror
+        held = dict(zip(mirror.positions.tolist(), self._tokens))  # type: ignore[attr-defined]
+        view_pos, view_tok = view.positions.tolist(), view.tokens.tolist()
+        first = next((i for i, (p, t) in enumerate(zip(view_pos, view_tok)) if held.get(p) != t), len(view_pos))
+        keep_pos = set(view_pos[:first])
+        idx = [i for i, p in enumerate(mirror.positions.tolist()) if p in keep_pos]  # type: ignore[attr-defined]
+        mirror = mirror.select(torch.tensor(idx, dtype=torch.long))  # type: ignore[attr-defined]
+        if first < len(view_pos):
+            model.forward(  # type: ignore[attr-defined]
+                torch.tensor(view_tok[first:], dtype=torch.long),
+                torch.tensor(view_pos[first:], dtype=torch.long),
+                cache=mirror,
+                logits="none",
+            )
+        if mirror.positions.tolist() != view_pos:  # type: ignore[attr-defined]
+            raise ValueError("the surprise-full mirror cache does not match the session's cells")
+        self._mirror, self._tokens = mirror, list(view_tok)
+        return mirror
+
+    def score(self, view: CacheView) -> np.ndarray:
+        import torch
+
+        from kvagent.policies.last_layer import counter_causal_queries, logsumexp_rows
+
+        mirror = self.update_mirror(view)
+        pos = torch.from_numpy(view.positions.astype(np.int64))
+        tokens = torch.from_numpy(view.tokens.astype(np.int64))
+        rows, mask = counter_causal_queries(pos, self.query)
+        offset = 0 if self.query == "self" else 1
+        out = self._model.forward(  # type: ignore[attr-defined]
+            tokens[rows], pos[rows], cache=mirror, mask=mask, append=False, logits="none", gather=tokens[rows + offset]
+        )
+        score = out.token_logits
+        if self.proxy == "logprob":
+            score = score - logsumexp_rows(out.hidden, self._model.output)  # type: ignore[attr-defined]
+        result = np.full(len(view), -np.inf)
+        result[(rows + offset).numpy()] = -score.numpy()
+        return np.where(np.isinf(result), np.inf, result)
+
+    def kept(self, positions: np.ndarray) -> None:
+        if self._mirror is None:
+            return
+        import torch
+
+        keep = set(positions.tolist())
+        idx = [i for i, p in enumerate(self._mirror.positions.tolist()) if p in keep]  # type: ignore[attr-defined]
+        self._mirror = self._mirror.select(torch.tensor(idx, dtype=torch.long))  # type: ignore[attr-defined]
+        self._tokens = [self._tokens[i] for i in idx]
