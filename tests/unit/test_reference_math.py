@@ -81,3 +81,20 @@ def test_unsupported_quantization_type_is_named(tmp_path: Path) -> None:
     fake = SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=SimpleNamespace(name="IQ2_XXS"), data=None)
     with pytest.raises(UnsupportedModelError, match=r"blk.0.attn_q.weight.*IQ2_XXS.*supported: F32"):
         dequantize(fake, tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize(
+    "query,rows,mask",
+    [
+        # row i scores x_i from keys j > i (its own residual holds x_i)
+        ("self", [0, 1, 2, 3], [[0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]]),
+        # row i-1 scores x_i from keys j > i: x_i is in neither the query nor the keys
+        ("previous", [0, 1, 2], [[0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]]),
+    ],
+)
+def test_counter_causal_query_rows_and_masks(query: str, rows: list[int], mask: list[list[int]]) -> None:
+    from kvagent.policies.last_layer import counter_causal_queries
+
+    got_rows, got_mask = counter_causal_queries(torch.tensor([0, 5, 6, 9]), query)
+    assert got_rows.tolist() == rows
+    assert got_mask.int().tolist() == mask
