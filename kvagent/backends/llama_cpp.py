@@ -295,6 +295,15 @@ class LlamaCppBackend:
             raise BackendError(f"llama_state_seq_get_data(seq={seq}) wrote nothing")
         return ctypes.string_at(buf, n)
 
+    def clear_memory(self) -> None:
+        """Drop every sequence's cells and reset the pool's bookkeeping (``llama_memory_clear``).
+
+        For exact replays in tests and benchmarks: the cells a decode lands in depend on where the pool's
+        search starts, and the same tokens in other cells give slightly different logits on Q4 models.
+        Never call it while sessions are open: their KV goes too.
+        """
+        C.llama_memory_clear(self._mem, True)
+
     def seq_positions(self, seq: int) -> list[int]:
         """Positions of the cells ``seq`` holds (ascending), read from the meta part of its saved state.
 

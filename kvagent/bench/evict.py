@@ -220,13 +220,23 @@ def latency(model: str, sizes: tuple[int, ...], policies: tuple[str, ...], reps:
 
 
 def run(models: list[str], quick: bool, json_path: Path, command: str,
-        progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
-    """Every task on every model; writes JSON (and the caller plots)."""
+        progress: Callable[[str], None] = lambda _: None, cases: int | None = None) -> list[dict[str, Any]]:
+    """Every task on every model; writes JSON (and the caller plots). Rows already in ``json_path`` for
+    other models are kept, so models can be run one at a time."""
+    import json
+
     policies = QUICK_POLICIES if quick else POLICIES
     tokens = 1024 if quick else 2048
-    cases = 3 if quick else 5
+    cases = cases or (3 if quick else 5)
     chunk = 128
     rows: list[dict[str, Any]] = []
+    if json_path.is_file():
+        try:
+            old = json.loads(json_path.read_text())
+            if old.get("quick") == quick:
+                rows = [r for r in old["rows"] if not any(r["model"].startswith(m) for m in models)]
+        except (ValueError, KeyError):
+            rows = []
     for model in models:
         engine = _engine(model, tokens + 512)
         with engine:
@@ -235,7 +245,7 @@ def run(models: list[str], quick: bool, json_path: Path, command: str,
                                512 if quick else 1024, 64, 5, progress)
         rows += latency(model, (512,) if quick else (512, 4096), ("surprise", "surprise-full", "h2o", "tova"),
                         1, progress)
-        write_json(json_path, command, rows, quick=quick, chunk=chunk, retention_tokens=tokens)
+        write_json(json_path, command, rows, quick=quick, chunk=chunk, retention_tokens=tokens, cases=cases)
     return rows
 
 

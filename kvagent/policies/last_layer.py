@@ -73,7 +73,7 @@ def counter_causal_scores(
 ) -> np.ndarray:
     """``[n]``: log P (``proxy="logprob"``) or the raw logit (``"logit"``, the paper's proxy) of each
     row's token under the counter-causal mask, from the last layer only (see
-    :func:`counter_causal_queries`). Rows that are not scored get +inf (never the most predictable)."""
+    :func:`counter_causal_queries`). Rows that are not scored get -inf (the most surprising: kept)."""
     import torch
 
     model = last_layer_model(Path(path))
@@ -91,7 +91,7 @@ def counter_causal_scores(
         score = (normed * model.output[target]).sum(-1)
         if proxy == "logprob":
             score = score - logsumexp_rows(normed, model.output)
-    result = np.full(len(tokens), np.inf)
+    result = np.full(len(tokens), -np.inf)
     result[(rows + offset).numpy()] = score.numpy()
     return result
 
