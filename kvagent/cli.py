@@ -202,7 +202,7 @@ def bench_capture(
 def bench_evict(
     model: str = typer.Option(None, help="One model (default: every registry model)."),
     quick: bool = typer.Option(False, help="Fewer cases, policies and sizes (about 3 minutes per model)."),
-    cases: int = typer.Option(None, help="Fact-retention cases per policy and budget (default 5; 3 with --quick)."),
+    cases: int = typer.Option(None, help="Fact-retention cases per policy and budget (default 5; 2 with --quick)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/evict.json)."),
 ) -> None:
     """Eviction policies: fact retention, streaming perplexity, per-cycle latency (source paper B)."""

@@ -227,7 +227,7 @@ def run(models: list[str], quick: bool, json_path: Path, command: str,
 
     policies = QUICK_POLICIES if quick else POLICIES
     tokens = 1024 if quick else 2048
-    cases = cases or (3 if quick else 5)
+    cases = cases or (2 if quick else 5)
     chunk = 128
     rows: list[dict[str, Any]] = []
     if json_path.is_file():
