@@ -120,7 +120,7 @@ class Evictor:
             positions=pos,
             pinned=np.asarray(pinned, dtype=bool),
             new=np.array([p not in self._seen for p in pos.tolist()]),
-            hidden=self._hidden_rows(pos) if self.policy.needs_hidden else None,
+            hidden=self.hidden_rows(pos) if self.policy.needs_hidden else None,
             model_path=self._model_path,
         )
         scores = np.asarray(self.policy.score(view), dtype=np.float64)
@@ -144,7 +144,8 @@ class Evictor:
         log.debug("eviction cycle (%s): %d -> %d cells, %.1f ms", self.policy.name, report.before, report.after, report.cycle_ms)
         return report
 
-    def _hidden_rows(self, positions: np.ndarray) -> np.ndarray | None:
+    def hidden_rows(self, positions: np.ndarray) -> np.ndarray:
+        """``[n, n_embd]`` recorded H^(L-1) rows for ``positions``; NaN rows where none was recorded."""
         rows = [self._hidden.get(p) for p in positions.tolist()]
         width = next((r.shape[0] for r in rows if r is not None), 0)
         if not width:

@@ -192,7 +192,7 @@ def latency(model: str, sizes: tuple[int, ...], policies: tuple[str, ...], reps:
         with engine.scratch() as seq:
             progress(f"{model} latency: decoding {n_max} tokens with capture")
             recorder.decode(ids, range(n_max), seq, [False] * (n_max - 1) + [True])
-        hidden = recorder._hidden_rows(np.arange(n_max))
+        hidden = recorder.hidden_rows(np.arange(n_max))
         for n in sizes:
             view = CacheView(np.array(ids[:n]), np.arange(n), np.zeros(n, bool), np.ones(n, bool), hidden[:n], engine.model.path)
             for name in policies:
