@@ -261,7 +261,9 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         sel = [r for r in rows if r["task"] == task and r["policy"] != "full/fast"]
         if not sel:
             continue
-        groups = sorted({(r["model"], r["budget"] if task != "latency" else r["n"]) for r in sel}, key=str)
+        # the full cache (budget None) is drawn inside every budget group, not as a group of its own
+        groups = sorted({(r["model"], r["budget"] if task != "latency" else r["n"]) for r in sel
+                         if task == "latency" or r["budget"] is not None}, key=str)
         policies = list(dict.fromkeys(r["policy"] for r in sel))
         fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
         width = 0.8 / max(len(policies), 1)
