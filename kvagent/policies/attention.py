@@ -28,10 +28,9 @@ class HeavyHitters(EvictionPolicy):
     def accumulate(self, view: CacheView) -> np.ndarray:
         """Update and return the accumulated attention ``[n]`` (NaN where no hidden state exists)."""
         hidden = view.hidden
-        if hidden is None:
-            raise ValueError("h2o needs captured hidden states")
-        present = last_layer.present_rows(hidden)
-        rows = np.flatnonzero(present)
+        rows = last_layer.captured_rows(hidden, self.name)
+        present = np.zeros(len(view), dtype=bool)
+        present[rows] = True
         queries = np.flatnonzero(view.new[rows])
         if queries.size and rows.size > 1:
             probs = last_layer.attention(view.model_path, hidden[rows], view.positions[rows], queries)
@@ -74,10 +73,7 @@ class LatestQuery(EvictionPolicy):
 
     def score(self, view: CacheView) -> np.ndarray:
         hidden = view.hidden
-        if hidden is None:
-            raise ValueError("tova needs captured hidden states")
-        present = last_layer.present_rows(hidden)
-        rows = np.flatnonzero(present)
+        rows = last_layer.captured_rows(hidden, self.name)
         scores = np.full(len(view), np.inf)
         if rows.size < 2:  # nothing captured to score: keep (the cycle still honours the budget by order)
             return scores

@@ -32,6 +32,13 @@ def present_rows(hidden: np.ndarray) -> np.ndarray:
     return ~np.isnan(hidden[:, 0])
 
 
+def captured_rows(hidden: np.ndarray | None, policy: str) -> np.ndarray:
+    """Indices of the cells with a captured hidden state; ``ValueError`` when nothing was captured."""
+    if hidden is None:
+        raise ValueError(f"{policy} needs captured hidden states")
+    return np.flatnonzero(present_rows(hidden))
+
+
 def attention(path: Path, hidden: np.ndarray, positions: np.ndarray, queries: np.ndarray) -> np.ndarray:
     """Causal last-layer attention of the rows ``queries`` (indices) over all rows: ``[heads, q, n]``."""
     import torch

@@ -39,10 +39,7 @@ class FastSurprise(EvictionPolicy):
 
     def score(self, view: CacheView) -> np.ndarray:
         hidden = view.hidden
-        if hidden is None:
-            raise ValueError("surprise needs captured hidden states")
-        present = last_layer.present_rows(hidden)
-        rows = np.flatnonzero(present)
+        rows = last_layer.captured_rows(hidden, self.name)
         scores = np.full(len(view), np.inf)
         if rows.size < 2:  # nothing captured to score: keep (the cycle still honours the budget by order)
             return scores

@@ -20,7 +20,7 @@ import pytest
 
 from kvagent.engine import Engine
 from kvagent.errors import ContextOverflowError, EvictionError
-from kvagent.eviction import _MARGIN, Eviction
+from kvagent.eviction import _MARGIN, Eviction, _runs
 from kvagent.policies import POLICIES, CacheView, EvictionPolicy, FastSurprise, FullSurprise, get_policy
 from kvagent.segments import Segment
 from kvagent.session import Generation, Session
@@ -254,14 +254,6 @@ def replay(engine: Engine, run: Run) -> None:
             run.control = decode(last)[-1].copy()
 
 
-def _runs(positions: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for p in positions:
-        if runs and p == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], p)
-        else:
-            runs.append((p, p))
-    return runs
 
 
 def scenario(engine: Engine, case: Case) -> Run:
