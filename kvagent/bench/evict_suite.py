@@ -356,14 +356,7 @@ def _retention_case(
     overhead = count(INSTRUCTION) + sum(count(f.sentence) for f in facts)
     slug, index = corpus.start(rng, target_tokens - overhead)
 
-    paragraphs: list[str] = []
-    estimate = overhead
-    stream = corpus.paragraphs_from(slug, index)
-    for para, tokens in stream:
-        paragraphs.append(para)
-        estimate += tokens + corpus.separator_tokens
-        if estimate >= target_tokens:
-            break
+    paragraphs, stream = _take_paragraphs(corpus, slug, index, overhead, target_tokens)
     while True:
         built = _insert_facts(paragraphs, facts, wanted)
         if built is not None and count(built[0]) >= target_tokens:
@@ -384,6 +377,21 @@ def _retention_case(
         asked=asked,
         source=slug,
     )
+
+
+def _take_paragraphs(
+    corpus: _Corpus, slug: str, index: int, estimate: int, target_tokens: int
+) -> tuple[list[str], Iterator[tuple[str, int]]]:
+    """Paragraphs from ``(slug, index)`` on until ``estimate`` (tokens already spent) plus their token
+    estimates reaches ``target_tokens``; also the stream, to take more if the exact count falls short."""
+    paragraphs: list[str] = []
+    stream = corpus.paragraphs_from(slug, index)
+    for para, tokens in stream:
+        paragraphs.append(para)
+        estimate += tokens + corpus.separator_tokens
+        if estimate >= target_tokens:
+            break
+    return paragraphs, stream
 
 
 def make_retention_cases(
@@ -434,14 +442,7 @@ def make_stream_texts(n: int, target_tokens: int, count_tokens: Callable[[str], 
     for i in range(n):
         rng = random.Random(f"stream:{seed}:{i}")
         slug, index = corpus.start(rng, target_tokens)
-        paragraphs: list[str] = []
-        estimate = 0
-        stream = corpus.paragraphs_from(slug, index)
-        for para, tokens in stream:
-            paragraphs.append(para)
-            estimate += tokens + corpus.separator_tokens
-            if estimate >= target_tokens:
-                break
+        paragraphs, stream = _take_paragraphs(corpus, slug, index, 0, target_tokens)
         text = PARAGRAPH_SEPARATOR.join(paragraphs)
         while count_tokens(text) < target_tokens:
             nxt = next(stream, None)

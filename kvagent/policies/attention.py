@@ -72,11 +72,8 @@ class LatestQuery(EvictionPolicy):
     needs_hidden = True
 
     def score(self, view: CacheView) -> np.ndarray:
-        hidden = view.hidden
-        rows = last_layer.captured_rows(hidden, self.name)
-        scores = np.full(len(view), np.inf)
-        if rows.size < 2:  # nothing captured to score: keep (the cycle still honours the budget by order)
-            return scores
-        probs = last_layer.attention(view.model_path, hidden[rows], view.positions[rows], np.array([rows.size - 1]))
-        scores[rows] = probs.mean(axis=0)[0]
-        return scores
+        def latest_query(rows: np.ndarray) -> np.ndarray:
+            hidden = view.hidden[rows]  # type: ignore[index]
+            return last_layer.attention(view.model_path, hidden, view.positions[rows], np.array([rows.size - 1])).mean(axis=0)[0]
+
+        return last_layer.score_captured(view, self.name, latest_query)

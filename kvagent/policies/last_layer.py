@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -30,6 +31,16 @@ def last_layer_model(path: Path) -> object:
 def present_rows(hidden: np.ndarray) -> np.ndarray:
     """``[n]`` bool: rows with a captured hidden state (missing rows, e.g. transplanted skills, are NaN)."""
     return ~np.isnan(hidden[:, 0])
+
+
+def score_captured(view: object, policy: str, score_rows: "Callable[[np.ndarray], np.ndarray]") -> np.ndarray:
+    """``[n]`` scores: ``score_rows(rows)`` for the cells with a captured hidden state (``rows``: their
+    indices), +inf (kept) for the others, and for every cell when fewer than two were captured."""
+    rows = captured_rows(view.hidden, policy)  # type: ignore[attr-defined]
+    scores = np.full(len(view), np.inf)  # type: ignore[arg-type]
+    if rows.size >= 2:
+        scores[rows] = score_rows(rows)
+    return scores
 
 
 def captured_rows(hidden: np.ndarray | None, policy: str) -> np.ndarray:

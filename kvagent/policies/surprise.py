@@ -38,16 +38,13 @@ class FastSurprise(EvictionPolicy):
         self.query, self.proxy, self.name = query, proxy, name
 
     def score(self, view: CacheView) -> np.ndarray:
-        hidden = view.hidden
-        rows = last_layer.captured_rows(hidden, self.name)
-        scores = np.full(len(view), np.inf)
-        if rows.size < 2:  # nothing captured to score: keep (the cycle still honours the budget by order)
-            return scores
-        logp = last_layer.counter_causal_scores(
-            view.model_path, hidden[rows], view.positions[rows], view.tokens[rows], self.query, self.proxy
-        )
-        scores[rows] = -logp
-        return scores
+        def surprise(rows: np.ndarray) -> np.ndarray:
+            hidden = view.hidden[rows]  # type: ignore[index]
+            return -last_layer.counter_causal_scores(
+                view.model_path, hidden, view.positions[rows], view.tokens[rows], self.query, self.proxy
+            )
+
+        return last_layer.score_captured(view, self.name, surprise)
 
 
 class FullSurprise(EvictionPolicy):
