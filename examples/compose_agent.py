@@ -33,7 +33,7 @@ def main() -> None:
         with engine.session(segments, share_prefix=False) as agent:
             reply = agent.generate(48)
         composed = engine.skills
-        engine.skills = SkillLibrary(engine, SkillStore(Path("/nonexistent")))  # no skills: a full prefill
+        engine.skills = engine.skill_library(SkillStore(Path("/nonexistent")))  # no skills: a full prefill
         with engine.session(segments, share_prefix=False) as baseline:
             prefilled = baseline.generate(48)
         engine.skills = composed

@@ -25,7 +25,9 @@ from kvagent.eviction import Eviction
 from kvagent.models import DEFAULT_MODEL, REGISTRY, ModelRef, resolve_model
 from kvagent.sampling import SamplingParams
 from kvagent.segments import Rendered, Segment, SegmentKind, Span
-from kvagent.session import Generation, GenerationStream, PrefillReport, Session
+from kvagent.generation import Decoder, Generation, GenerationStream
+from kvagent.kv.sync import PrefillReport
+from kvagent.session import Session
 
 __version__ = "0.1.0"
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "Eviction",
     "EvictionError",
     "UnsupportedModelError",
+    "Decoder",
     "Generation",
     "GenerationStream",
     "KVAgentError",

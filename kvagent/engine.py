@@ -1,10 +1,11 @@
 """Engine: one loaded model shared by many sessions, each on its own sequence of one KV pool.
 
-The engine owns the backend, the renderers (chat template or plain text), a lock that serialises
-native calls (sessions may live on different threads: LangChain async, an HTTP server), and the
-allocation of sequence ids. It also lets a new session start from another live session's cached
-prefix (``seq_cp`` shares the cells), so a policy prefilled once serves every session that opens
-with it.
+The engine wires the parts together: the backend (by registered name, or an instance), the
+:class:`~kvagent.kv.pool.SequencePool` (sequence ids, scratch sequences, the prefix index through which
+a new session starts from another's cached prefix), the :class:`~kvagent.scheduler.Scheduler` whose
+worker thread makes every native call and batches sessions' decode steps, the renderers (chat template
+or plain text) and the skill library. Sessions may be used from many threads (or coroutines, through
+``kvagent.aio``).
 """
 
 from __future__ import annotations
@@ -16,19 +17,23 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvagent.backends.base import BackendConfig
+from kvagent.backends.base import Backend, BackendConfig, backend_names, create_backend
 from kvagent.chat_format import BUILTIN_FORMATS, ChatFormat
 from kvagent.errors import ChatTemplateError, KVAgentError
+from kvagent.kv.pool import SequencePool
+from kvagent.kv.sequence import CachedSequence
 from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
-from kvagent.segments import Renderer, Segment, common_prefix
+from kvagent.scheduler import Scheduler
+from kvagent.segments import Renderer, Segment
 
 if TYPE_CHECKING:
-    from kvagent.eviction import Eviction
     from kvagent.edits import EditStrategy
-    from kvagent.skills.fidelity import FidelityGuard
-    from kvagent.skills.library import SkillLibrary
+    from kvagent.eviction import Eviction
     from kvagent.fields import FieldSpec
     from kvagent.session import Session
+    from kvagent.skills.fidelity import FidelityGuard
+    from kvagent.skills.library import SkillLibrary
+    from kvagent.skills.store import SkillStore
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +64,52 @@ class EngineSettings(BaseModel):
     capture: Literal["none", "native", "python"] = "none"
     """Activation capture (``backend.capture``, see ``kvagent.native``): none, the C callback, or the
     pure-Python one (slower; also the fallback when the C library cannot be built)."""
+    backend: str = "llama.cpp"
+    """Registered backend name (``kvagent.backends.backend_names()``); or pass an instance to ``Engine``."""
+    prefill_chunk: int = Field(64, ge=1)
+    """Most tokens one session prefills before the scheduler lets other sessions run (latency of
+    short requests beside long prefills vs. the long prefill's own speed; see BENCHMARKS.md)."""
 
     def backend_config(self) -> BackendConfig:
-        return BackendConfig(**self.model_dump(exclude={"model"}))
+        return BackendConfig(**self.model_dump(exclude={"model", "backend", "prefill_chunk"}))
 
 
 class Engine:
-    """A loaded model and the sessions that share it. Use :meth:`load`, then :meth:`session`."""
+    """A loaded model and the sessions that share it. Use :meth:`load`, then :meth:`session`.
 
-    def __init__(self, settings: EngineSettings) -> None:
-        from kvagent.backends.llama_cpp import LlamaCppBackend
+    ``backend``: an instance implementing ``kvagent.backends.Backend`` (its model file is still named by
+    ``settings.model``, for the fingerprint), or None to build ``settings.backend`` by name.
+    """
 
+    def __init__(self, settings: EngineSettings, backend: Backend | None = None) -> None:
         self.settings = settings
         self.model: ModelRef = resolve_model(settings.model)
         self.fingerprint = self.model.fingerprint
-        self.backend = LlamaCppBackend(self.model.path, settings.backend_config())
-        self.lock = threading.RLock()
-        self._free = list(range(self.backend.n_seq_max - 1, -1, -1))
+        if backend is not None and not isinstance(backend, Backend):
+            raise KVAgentError(f"{type(backend).__name__} does not implement kvagent.backends.Backend; "
+                               f"pass an instance that does, or a registered name: {', '.join(backend_names())}")
+        self.backend: Backend = backend or create_backend(settings.backend, self.model.path, settings.backend_config())
+        self.pool = SequencePool(self.backend)
+        self.scheduler = Scheduler(self.pool)
         self._sessions: dict[int, Session] = {}
         self._renderers: dict[bool, Renderer] = {}
         self._skills: SkillLibrary | None = None
 
     @classmethod
-    def load(cls, model: str | None = None, **settings: object) -> Engine:
-        """Load ``model`` (default ``smollm2-135m``) with optional :class:`EngineSettings` overrides."""
+    def load(cls, model: str | None = None, *, backend: str | Backend | None = None, **settings: object) -> Engine:
+        """Load ``model`` (default ``smollm2-135m``) with optional :class:`EngineSettings` overrides;
+        ``backend`` is a registered name (default ``llama.cpp``) or a backend instance."""
         if model is not None:
             settings["model"] = model
-        return cls(EngineSettings(**settings))  # type: ignore[arg-type]
+        if isinstance(backend, str):
+            settings["backend"] = backend
+            backend = None
+        return cls(EngineSettings(**settings), backend)  # type: ignore[arg-type]
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Serialises native calls: take it to call ``engine.backend`` directly (benchmarks, tests)."""
+        return self.pool.lock  # type: ignore[return-value]
 
     # -- sessions ---------------------------------------------------------------------------------
     def session(
@@ -108,78 +132,65 @@ class Engine:
         have accumulated. ``share_prefix=False`` never starts from another session's cells (a cold
         prefill, as benchmarks and oracles need). ``fidelity`` checks sampled transplants against a
         recompute and falls back below its threshold. ``eviction`` (``kvagent.eviction.Eviction``: policy,
-        budget J, chunk h) prunes the cache in cycles instead of failing when the prompt outgrows it.
+        budget J, chunk h) prunes the cache in cycles instead of failing when the prompt outgrows it;
+        such a session decodes alone when its policy reads captured hidden states.
         """
         from kvagent.eviction import Evictor
         from kvagent.session import Session
 
         evictor = Evictor(eviction, self.backend, self.model.path) if eviction is not None else None
+        renderer = self.renderer(chat)
 
-        with self.lock:
-            renderer = self.renderer(chat)
-            seq = self._take_sequence("a session")
+        def work() -> Iterator[None]:
+            seq = self.pool.take("a session")
             try:
+                state = CachedSequence(self.pool, seq, evictor=evictor, chunk=self.settings.prefill_chunk)
                 session = Session(
-                    self, seq, renderer, list(segments), fields=fields, edit_strategy=edit_strategy,
-                    compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity, evictor=evictor,
+                    state, self.scheduler, renderer, list(segments), skills=lambda: self.skills,
+                    fingerprint=self.fingerprint, on_close=self._release, fields=fields, edit_strategy=edit_strategy,
+                    compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity,
                 )
             except Exception:  # a refused argument must not leak the sequence
-                self._free.append(seq)
+                self.pool.release(seq)
                 raise
             self._sessions[seq] = session
-            return session
+            return session  # type: ignore[return-value]
+            yield  # pragma: no cover
 
-    def _take_sequence(self, purpose: str) -> int:
-        if not self._free:
-            raise KVAgentError(
-                f"no free sequence for {purpose}: all {self.backend.n_seq_max} are in use; close a session or "
-                "load the engine with a larger n_seq_max"
-            )
-        seq = self._free.pop()
-        self.backend.seq_rm(seq, -1, -1)
-        return seq
+        return self.scheduler.run(None, work())  # type: ignore[arg-type, no-any-return]
 
     @property
     def has_free_sequence(self) -> bool:
-        return bool(self._free)
+        return self.pool.free > 0
 
     @contextmanager
     def scratch(self) -> Iterator[int]:
-        """A temporary sequence (for splicing KV left to right), emptied and freed on exit."""
-        with self.lock:
-            seq = self._take_sequence("a scratch copy")
-            try:
-                yield seq
-            finally:
-                self.backend.seq_rm(seq, -1, -1)
-                self._free.append(seq)
+        """A temporary sequence (for tests and benchmarks that call the backend), freed on exit; holds the lock."""
+        with self.pool.lock, self.pool.scratch() as seq:
+            yield seq
 
     def renderer(self, chat: bool) -> Renderer:
         if chat not in self._renderers:
-            if chat:
-                fmt = self._chat_format()
-            else:
-                fmt = ChatFormat.plain()
-            self._renderers[chat] = Renderer(self.backend, fmt)
+            self._renderers[chat] = Renderer(self.backend, self._chat_format() if chat else ChatFormat.plain())
         return self._renderers[chat]
 
     @property
     def skills(self) -> SkillLibrary:
         """This engine's compiled skills (store in ``cache_dir()/skills``), created on first use."""
         if self._skills is None:
-            from kvagent.skills.library import SkillLibrary
-
-            self._skills = SkillLibrary(self)
+            self._skills = self.skill_library()
         return self._skills
+
+    def skill_library(self, store: SkillStore | None = None) -> SkillLibrary:
+        """A library of this model's compiled skills over ``store`` (default: ``cache_dir()/skills``)."""
+        from kvagent.skills.library import SkillLibrary
+
+        return SkillLibrary(self.pool, self.fingerprint, self.model.name, store)
 
     @skills.setter
     def skills(self, library: SkillLibrary) -> None:
         """Use another library (e.g. one over a store in another folder)."""
         self._skills = library
-
-    @property
-    def skills_if_loaded(self) -> SkillLibrary | None:
-        return self._skills
 
     def _chat_format(self) -> ChatFormat:
         template = self.backend.chat_template
@@ -194,31 +205,10 @@ class Engine:
         log.info("%s has no chat template in its GGUF: using the built-in %s format", self.model.name, builtin.name)
         return builtin
 
-    def _release(self, seq: int) -> None:
-        with self.lock:
-            if self._sessions.pop(seq, None) is not None:
-                self.backend.seq_rm(seq, -1, -1)
-                self._free.append(seq)
-
-    def shared_prefix(self, tokens: tuple[int, ...], seq: int) -> tuple[int, int]:
-        """(source sequence, length) of the longest cached prefix of ``tokens`` held by another session."""
-        best = (-1, 0)
-        for other_seq, other in self._sessions.items():
-            if other_seq != seq:
-                # never share stale cells (kept by a field-only or selective edit): only the clean prefix
-                n = common_prefix(other.tokens[: other.clean_prefix], tokens)
-                if n > best[1]:
-                    best = (other_seq, n)
-        return best
-
-    def may_share_cells(self, seq: int, position: int) -> bool:
-        """Whether another session might hold ``seq``'s cells at or after ``position``.
-
-        Sessions share cells only through :meth:`shared_prefix` (a common cached prefix), so a session
-        whose cached tokens agree with ``seq``'s beyond ``position`` might hold them; conservative.
-        """
-        mine = self._sessions[seq].tokens if seq in self._sessions else ()
-        return any(common_prefix(other.tokens, mine) > position for s, other in self._sessions.items() if s != seq)
+    def _release(self, session: Session) -> None:
+        """Runs on the scheduler's worker, as the session's last unit of work."""
+        if self._sessions.pop(session.seq, None) is not None:
+            self.pool.release(session.seq)
 
     @property
     def open_sessions(self) -> int:
@@ -226,10 +216,11 @@ class Engine:
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close every session, then free the model."""
-        with self.lock:
-            for session in list(self._sessions.values()):
-                session.close()
+        """Close every session, stop the scheduler, then free the model."""
+        for session in list(self._sessions.values()):
+            session.close()
+        self.scheduler.close()
+        with self.pool.lock:
             self.backend.close()
 
     def __enter__(self) -> Engine:

@@ -22,7 +22,7 @@ from kvagent.errors import EvictionError
 from kvagent.policies import CacheView, EvictionPolicy, get_policy, select_keep
 
 if TYPE_CHECKING:
-    from kvagent.backends.llama_cpp import LlamaCppBackend
+    from kvagent.backends.base import Backend
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class CycleReport:
 class Evictor:
     """Scores and prunes one session's sequence. Created by ``Engine.session(eviction=...)``."""
 
-    def __init__(self, config: Eviction, backend: LlamaCppBackend, model_path: Path) -> None:
+    def __init__(self, config: Eviction, backend: Backend, model_path: Path) -> None:
         if config.budget < 2 or config.chunk < 1:
             raise EvictionError(f"eviction budget must be >= 2 and chunk >= 1, got budget={config.budget}, chunk={config.chunk}")
         if config.budget + config.chunk + _MARGIN > backend.n_ctx:

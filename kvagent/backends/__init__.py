@@ -1,5 +1,5 @@
 """Backends: what a Session needs from an inference engine (see ``base.Backend``)."""
 
-from kvagent.backends.base import Backend, BackendConfig
+from kvagent.backends.base import Backend, BackendConfig, Capabilities, backend_names, create_backend, register_backend
 
-__all__ = ["Backend", "BackendConfig"]
+__all__ = ["Backend", "BackendConfig", "Capabilities", "backend_names", "create_backend", "register_backend"]

@@ -3,14 +3,24 @@
 A backend holds one loaded model and one context whose KV cache is shared by several *sequences*
 (one per session). Positions are explicit everywhere because kvagent decides where tokens live (prefix
 reuse, transplants, eviction leave holes). Shapes: logits are ``[n_outputs, n_vocab]`` float32.
+
+Everything kvagent calls on a backend is declared here; what a backend can do beyond plain decoding is
+in its :class:`Capabilities`, so callers ask (``backend.capabilities.shift``) instead of probing.
+Backends are created by name through :func:`create_backend` (``llama.cpp`` is the product backend).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from kvagent.errors import KVAgentError
+
+if TYPE_CHECKING:
+    from kvagent.native import Capture
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,25 @@ class BackendConfig:
     capture: str = "none"  # activation capture through cb_eval: "none" | "native" | "python" (kvagent.native)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond decoding tokens in order.
+
+    ``positional_kv``: cells live at explicit positions and may leave holes (eviction, transplants).
+    ``shift``: ``seq_add`` moves cells and re-rotates their keys (RoPE K-shift); needed to transplant.
+    ``state_save``: ``seq_save`` / ``seq_restore`` of one sequence (skills, ``Session.save``).
+    ``hidden_capture``: hidden states can be captured during decode (``backend.capture``).
+    ``full_logits``: logits can be asked for every decoded position, not only the last.
+    """
+
+    positional_kv: bool
+    shift: bool
+    state_save: bool
+    hidden_capture: bool
+    full_logits: bool
+
+
+@runtime_checkable
 class Backend(Protocol):
     """What kvagent needs from an engine. ``llama_cpp.LlamaCppBackend`` is the product backend."""
 
@@ -40,12 +69,29 @@ class Backend(Protocol):
     n_seq_max: int
     n_batch: int
     format: str  # identifies the layout of saved sequence bytes; part of every blob's key
+    capture: Capture | None  # the activation hook when hidden_capture is on, else None
 
+    @property
+    def capabilities(self) -> Capabilities: ...
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def n_swa(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def bos_ids(self) -> list[int]: ...
+    @property
+    def bos_id(self) -> int: ...
+    @property
+    def can_shift(self) -> bool: ...
+    def meta(self, key: str) -> str | None: ...
+    def layer_output_name(self, i: int) -> str: ...
     def tokenize(self, text: str, *, special: bool) -> list[int]: ...
     def token_bytes(self, token: int) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
-    @property
-    def bos_ids(self) -> list[int]: ...
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int], outputs: Sequence[bool]
     ) -> np.ndarray: ...
@@ -54,8 +100,41 @@ class Backend(Protocol):
     def seq_keep(self, seq: int) -> None: ...
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None: ...
     def seq_pos_range(self, seq: int) -> tuple[int, int]: ...
+    def seq_positions(self, seq: int) -> list[int]: ...
     def seq_save(self, seq: int) -> bytes: ...
     def seq_restore(self, seq: int, data: bytes) -> None: ...
-    @property
-    def can_shift(self) -> bool: ...
+    def clear_memory(self) -> None: ...
     def close(self) -> None: ...
+
+
+BackendFactory = Callable[[Path, BackendConfig], Backend]
+_REGISTRY: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str, factory: BackendFactory) -> None:
+    """Make ``Engine.load(..., backend=name)`` build backends with ``factory(model_path, config)``."""
+    _REGISTRY[name] = factory
+
+
+def _llama_cpp(path: Path, config: BackendConfig) -> Backend:
+    from kvagent.backends.llama_cpp import LlamaCppBackend  # the one llama_cpp importer, loaded on demand
+
+    return LlamaCppBackend(path, config)
+
+
+register_backend("llama.cpp", _llama_cpp)
+
+
+def backend_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_backend(name: str, model_path: Path, config: BackendConfig) -> Backend:
+    """A backend by registered name; unknown names list the registered ones."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise KVAgentError(f"unknown backend {name!r}: use one of {', '.join(backend_names())}, or pass a Backend instance")
+    backend = factory(model_path, config)
+    if not isinstance(backend, Backend):
+        raise KVAgentError(f"backend {name!r} does not implement kvagent.backends.base.Backend")
+    return backend

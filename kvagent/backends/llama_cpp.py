@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 import llama_cpp as C
 import numpy as np
 
-from kvagent.backends.base import BackendConfig
+from kvagent.backends.base import BackendConfig, Capabilities
 from kvagent.errors import BackendError, KVCacheFullError
 
 if TYPE_CHECKING:
@@ -171,6 +171,16 @@ class LlamaCppBackend:
         if not -n <= i < n:
             raise ValueError(f"layer {i} out of range for a model with {n} layers")
         return f"l_out-{i % n}"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            positional_kv=True,
+            shift=self.can_shift,
+            state_save=True,
+            hidden_capture=self.capture is not None,
+            full_logits=True,
+        )
 
     @property
     def can_shift(self) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvagent.bench.common import RESULTS_DIR, median, write_json
-from kvagent.bench.edit_suite import long_notes
+from kvagent.edits.suite import long_notes
 from kvagent.engine import Engine
 from kvagent.segments import Segment
 

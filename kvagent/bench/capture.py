@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kvagent.bench.common import RESULTS_DIR, median, write_json
-from kvagent.bench.edit_suite import long_notes
+from kvagent.edits.suite import long_notes
 from kvagent.engine import Engine
 
 DEFAULT_JSON = RESULTS_DIR / "capture.json"

@@ -1,27 +1,18 @@
-"""What every benchmark shares: where results go, the machine description, median, JSON writing."""
+"""What every benchmark shares: where results go, the machine description, median, JSON writing.
+
+The results folder, the machine description and JSON writing live in :mod:`kvagent.results` (the
+measurement commands outside the benchmarks use them too) and are re-exported here."""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
-import time
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-RESULTS_DIR = Path("bench/results")
-
-
-def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}"
+from kvagent.results import RESULTS_DIR, machine, write_json
 
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-def write_json(path: Path, command: str, rows: list[dict[str, Any]], **extra: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"command": command, "machine": machine(), "created": time.strftime("%Y-%m-%d %H:%M:%S"), **extra, "rows": rows}
-    path.write_text(json.dumps(doc, indent=1, default=float))
+__all__ = ["RESULTS_DIR", "machine", "median", "write_json"]

@@ -90,8 +90,8 @@ def run(models: list[str], sizes: list[int], seams: list[int], skills_dir: Path,
     rows: list[dict[str, Any]] = []
     for model in models:
         with Engine.load(model, n_ctx=max(sizes) + 1024, n_seq_max=4) as engine:
-            library = SkillLibrary(engine, SkillStore(store_dir / model))
-            nothing = SkillLibrary(engine, SkillStore(store_dir / "none"))  # no compiled skill: full prefill
+            library = engine.skill_library(SkillStore(store_dir / model))
+            nothing = engine.skill_library(SkillStore(store_dir / "none"))  # no compiled skill: full prefill
             renderer = engine.renderer(True)
             cases: list[tuple[str, list[SkillSpec]]] = []
             for n in sizes:

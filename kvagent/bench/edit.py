@@ -1,11 +1,11 @@
 """``kvagent bench edit``: every edit strategy against a full recompute, on a decision suite.
 
-For each case (``edit_suite``): prefill the prompt, save its KV, then for each strategy restore the KV,
-apply the edit, append the question and read the decision. The oracle is ``recompute``; a *flip* is a
-case whose oracle decision differs from the decision before the edit, and recovery is counted over
-flips only (cases without a flip are no evidence). A cold prefill of the oracle's final context in a
-fresh sequence gives the re-prefill time and the noise check: on these Q4 models the same tokens in
-another KV layout shift logits by up to ~1 (DESIGN.md), so decisions with a margin below
+For each case (the decision suite, :mod:`kvagent.edits.suite`): prefill the prompt, save its KV, then
+for each strategy restore the KV, apply the edit, append the question and read the decision. The oracle
+is ``recompute``; a *flip* is a case whose oracle decision differs from the decision before the edit, and
+recovery is counted over flips only (cases without a flip are no evidence). A cold prefill of the oracle's
+final context in a fresh sequence gives the re-prefill time and the noise check: on these Q4 models the
+same tokens in another KV layout shift logits by up to ~1 (DESIGN.md), so decisions with a margin below
 ``NEAR_TIE`` logits are reported apart ("clear" flips have both margins above it).
 """
 
@@ -17,13 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import numpy as np
-
 from kvagent.bench.common import median, write_json
-from kvagent.bench.edit_suite import TEMPLATES, Case, Template, long_notes, make_cases
 from kvagent.edits import EditStrategy, Erratum
 from kvagent.edits.calibration import load_calibration
 from kvagent.edits.selective import DEFAULT_K
+from kvagent.edits.suite import TEMPLATES, Case, Decider, answerable, long_notes, make_cases, question_segments
 from kvagent.engine import Engine
 from kvagent.segments import Segment
 from kvagent.session import Session
@@ -32,29 +30,6 @@ log = logging.getLogger(__name__)
 
 STRATEGIES = ("erratum", "field_only", "selective", "recompute")
 NEAR_TIE = 1.0
-
-
-@dataclass
-class Decider:
-    """Restricted argmax over the answers' first tokens (answers whose first tokens collide are dropped)."""
-
-    tokens: dict[str, int]
-
-    @classmethod
-    def build(cls, engine: Engine, answers: Iterable[str]) -> Decider:
-        tokens: dict[str, int] = {}
-        for answer in answers:
-            tok = engine.backend.tokenize(answer, special=False)[0]
-            if tok in tokens.values():
-                log.info("answer %r shares its first token with another one: left out", answer)
-                continue
-            tokens[answer] = tok
-        return cls(tokens)
-
-    def __call__(self, logits: np.ndarray) -> tuple[str, float]:
-        """(decision, margin between the best and second-best candidate logits)."""
-        scored = sorted(((float(logits[t]), a) for a, t in self.tokens.items()), reverse=True)
-        return scored[0][1], scored[0][0] - scored[1][0]
 
 
 @dataclass
@@ -79,19 +54,15 @@ class CaseResult:
         return self.before_margin >= NEAR_TIE and self.oracle_margin >= NEAR_TIE
 
 
-def _probe(question: str) -> tuple[Segment, Segment]:
-    return Segment.user(question), Segment.reply()
-
-
 def _strategy(case: Case, name: str) -> str | EditStrategy:
-    # the erratum line mirrors each field's phrasing (edit_suite.FieldFormat.erratum)
+    # the erratum line mirrors each field's phrasing (kvagent.edits.suite.FieldFormat.erratum)
     return Erratum(per_field=case.erratum_templates) if name == "erratum" else name
 
 
 def _edit_and_decide(session: Session, case: Case, strategy: str, decide: Decider) -> tuple[str, float, float]:
     start = time.perf_counter()
     session.set_many(case.changes, strategy=_strategy(case, strategy))
-    session.extend(*_probe(case.question))
+    session.extend(*question_segments(case.question))
     logits = session.logits()
     seconds = time.perf_counter() - start
     decision, margin = decide(logits)
@@ -114,7 +85,7 @@ def run_case(
         else:
             session.replace(segments)
 
-    session.extend(*_probe(case.question))
+    session.extend(*question_segments(case.question))
     before, before_margin = decide(session.logits())
     reset()
     oracle, oracle_margin, oracle_s = _edit_and_decide(session, case, "recompute", decide)
@@ -167,7 +138,7 @@ def latency_rows(engine: Engine, model: str, target_tokens: int, reps: int, stra
     renderer = engine.renderer(False)
     while True:
         segments = (*base.segments[:-1], Segment.memory("Notes: " + long_notes(n_sentences)))
-        size = len(renderer.render([*segments, *_probe(base.question)]).tokens)
+        size = len(renderer.render([*segments, *question_segments(base.question)]).tokens)
         if size >= target_tokens:
             break
         n_sentences += max(1, (target_tokens - size) // 12)
@@ -212,7 +183,7 @@ def run(
             for template in TEMPLATES.values():
                 decide = Decider.build(engine, template.answers)
                 # answers whose first token collides with another's are left out: draw until n remain
-                cases = [c for c in make_cases(template, 2 * n_cases) if _answerable(c, template, decide)][:n_cases]
+                cases = [c for c in make_cases(template, 2 * n_cases) if answerable(c, template, decide)][:n_cases]
                 results = []
                 with engine.session(share_prefix=False, chat=False) as session:
                     for i, case in enumerate(cases):
@@ -224,11 +195,6 @@ def run(
             rows += latency_rows(engine, model, latency_tokens, latency_reps, STRATEGIES)
         write_json(json_path, command, rows, near_tie_logits=NEAR_TIE, selective=selective_k)
     return rows
-
-
-def _answerable(case: Case, template: Template, decide: Decider) -> bool:
-    after = {**case.before, **case.changes}
-    return template.answer(case.before) in decide.tokens and template.answer(after) in decide.tokens
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

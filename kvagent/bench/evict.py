@@ -3,7 +3,7 @@
 Three tasks per model, every policy run in the same process so ratios compare like with like:
 
 - ``retention``: facts mentioned once (codes, names, numbers) at random depths of 2k tokens of
-  public-domain prose (``kvagent/bench/data/prose``), streamed through a session with chunked cycles
+  public-domain prose (``kvagent/data/prose``), streamed through a session with chunked cycles
   (infer ``chunk`` tokens, prune to the budget), then the question (pinned) and a greedy answer of a
   few tokens; accuracy per policy and budget (25% / 50% of the prompt) next to the full cache.
 - ``perplexity``: streaming perplexity of real continuations, the cache pruned in cycles while the

@@ -3,9 +3,10 @@
 Pure logic: no model, no backend. Token counts come from a ``count_tokens`` callable the caller passes in
 (the model's tokenizer in the benchmark, a whitespace counter in the unit tests).
 
-The prose is real public-domain text shipped in the package (``kvagent/bench/data/prose/*.txt``, sources in
-``SOURCES.md`` beside them): contiguous excerpts of five 19th-century English books, one paragraph per
-block, paragraphs separated by a blank line. Nothing is downloaded at run time.
+The prose is real public-domain text shipped in the package (``kvagent/data/prose/*.txt``, sources in
+``SOURCES.md`` beside them, read by :func:`kvagent.data.load_prose`): contiguous excerpts of five
+19th-century English books, one paragraph per block, paragraphs separated by a blank line. Nothing is
+downloaded at run time.
 
 Retention cases (:func:`make_retention_cases`): a short instruction, then a contiguous passage of one book
 (random book, random start at a paragraph boundary) grown paragraph by paragraph until the whole prompt
@@ -29,12 +30,10 @@ import re
 import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib import resources
+
+from kvagent.data import load_prose
 
 log = logging.getLogger(__name__)
-
-PROSE_PACKAGE = "kvagent.bench.data.prose"
 
 INSTRUCTION = (
     "Read the following text carefully. A few notes, each starting with \"Note:\", are hidden in it. "
@@ -55,29 +54,7 @@ ABBREVIATIONS = frozenset(
 _SENTENCE_END = re.compile(r"[.!?][\"”’')\]]*\s+(?=[\"“‘']?[A-Z])")
 
 
-# --- the shipped prose ---------------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def _load_prose_cached() -> tuple[tuple[str, str], ...]:
-    root = resources.files(PROSE_PACKAGE)
-    books = []
-    for entry in sorted(root.iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".txt"):
-            books.append((entry.name[: -len(".txt")], entry.read_text(encoding="utf-8")))
-    if not books:
-        raise FileNotFoundError(f"no prose files (*.txt) in package {PROSE_PACKAGE}")
-    log.debug("loaded %d prose files from %s", len(books), PROSE_PACKAGE)
-    return tuple(books)
-
-
-def load_prose() -> dict[str, str]:
-    """The shipped public-domain texts, ``{slug: text}`` in slug order (slug = file name without ``.txt``).
-
-    Read through :mod:`importlib.resources` from the package ``kvagent.bench.data.prose``, so it works from a
-    source checkout and from an installed wheel alike. A fresh dict each call (the texts are cached).
-    """
-    return dict(_load_prose_cached())
+# --- the shipped prose (read by kvagent.data.load_prose) ------------------------------------------------------
 
 
 def split_paragraphs(text: str) -> list[str]:

@@ -4,10 +4,27 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from kvagent.session import Session
+    from kvagent.kv.sync import PrefillReport
+    from kvagent.segments import Rendered, Segment, Span
+
+
+class EditTarget(Protocol):
+    """What an edit strategy calls on a session (``kvagent.session.Session`` implements it)."""
+
+    @property
+    def segments(self) -> tuple[Segment, ...]: ...
+    @property
+    def stale_positions(self) -> frozenset[int]: ...
+    model_fingerprint: str
+
+    def extend(self, *segments: Segment) -> PrefillReport: ...
+    def replace(self, segments: Sequence[Segment]) -> PrefillReport: ...
+    def splice_field(
+        self, name: str, value: object, refresh: Callable[[Rendered, Span], Iterable[int]] | None = None
+    ) -> PrefillReport: ...
 
 
 @dataclass(frozen=True)
@@ -28,8 +45,8 @@ class EditStrategy(ABC):
     name: str = ""
 
     @abstractmethod
-    def apply(self, session: Session, changes: Mapping[str, object]) -> EditReport:
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
         """Apply already-validated ``changes`` (field name -> value) to ``session``'s prompt and KV."""
 
-    def _report(self, session: Session, changes: Mapping[str, object], reused: int, computed: int, seconds: float) -> EditReport:
+    def _report(self, session: EditTarget, changes: Mapping[str, object], reused: int, computed: int, seconds: float) -> EditReport:
         return EditReport(self.name, tuple(changes), reused, computed, len(session.stale_positions), seconds)

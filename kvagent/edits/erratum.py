@@ -16,7 +16,7 @@ from kvagent.edits.base import EditReport, EditStrategy
 from kvagent.segments import DEFAULT_ERRATUM_TEMPLATE, Segment
 
 if TYPE_CHECKING:
-    from kvagent.session import Session
+    from kvagent.edits.base import EditTarget
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Erratum(EditStrategy):
     per_field: Mapping[str, str] = field(default_factory=dict)
     name: str = "erratum"
 
-    def apply(self, session: Session, changes: Mapping[str, object]) -> EditReport:
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
         lines = [
             Segment.erratum(name, value, template=self.per_field.get(name, self.template))
             for name, value in changes.items()

@@ -15,7 +15,7 @@ from kvagent.edits.base import EditReport, EditStrategy
 
 if TYPE_CHECKING:
     from kvagent.segments import Rendered, Span
-    from kvagent.session import Session
+    from kvagent.edits.base import EditTarget
 
 Refresh = Callable[["Rendered", "Span"], Iterable[int]]
 
@@ -24,7 +24,7 @@ Refresh = Callable[["Rendered", "Span"], Iterable[int]]
 class FieldOnly(EditStrategy):
     name: str = "field_only"
 
-    def apply(self, session: Session, changes: Mapping[str, object]) -> EditReport:
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
         reused = computed = 0
         seconds = 0.0
         refresh = self.refresh(session)
@@ -33,6 +33,6 @@ class FieldOnly(EditStrategy):
             reused, computed, seconds = r.reused, computed + r.computed, seconds + r.seconds
         return self._report(session, changes, reused, computed, seconds)
 
-    def refresh(self, session: Session) -> Refresh | None:
+    def refresh(self, session: EditTarget) -> Refresh | None:
         """Which downstream positions to recompute with the field; none for the field-only edit."""
         return None

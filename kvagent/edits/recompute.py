@@ -13,14 +13,14 @@ from kvagent.edits.base import EditReport, EditStrategy
 from kvagent.segments import SegmentKind
 
 if TYPE_CHECKING:
-    from kvagent.session import Session
+    from kvagent.edits.base import EditTarget
 
 
 @dataclass
 class Recompute(EditStrategy):
     name: str = "recompute"
 
-    def apply(self, session: Session, changes: Mapping[str, object]) -> EditReport:
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
         segments = [
             seg.with_value(changes[str(seg.name)]) if seg.kind is SegmentKind.FIELD and seg.name in changes else seg
             for seg in session.segments

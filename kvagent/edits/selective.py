@@ -18,7 +18,7 @@ from kvagent.edits.field_only import FieldOnly, Refresh
 
 if TYPE_CHECKING:
     from kvagent.segments import Rendered, Span
-    from kvagent.session import Session
+    from kvagent.edits.base import EditTarget
 
 DEFAULT_K = 4
 
@@ -44,7 +44,7 @@ class Selective(FieldOnly):
     offsets: Sequence[int] | None = None
     name: str = field(default="selective")
 
-    def refresh(self, session: Session) -> Refresh:
+    def refresh(self, session: EditTarget) -> Refresh:
         k, offsets = self.k, self.offsets
         if k is None or offsets is None:
             calibrated = load_calibration(session.model_fingerprint)

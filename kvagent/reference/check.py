@@ -1,7 +1,7 @@
 """Agreement of the torch reference model with the llama.cpp backend on the same GGUF and tokens.
 
 Next-token logits at every position of real-prose prompts (the public-domain books shipped in
-``kvagent/bench/data/prose``), decoded by llama.cpp in one batch and by the reference in one forward.
+``kvagent/data/prose``), decoded by llama.cpp in one batch and by the reference in one forward.
 Targets (issue 5): mean cosine >= 0.999 and the same top-1 on >= 95% of positions. Where top-1 differs,
 ``clear_top1`` counts only positions whose llama.cpp margin (top-1 minus top-2 logit) is at least one
 logit: a disagreement at a near-tie is the Q4 kernels' activation quantization, not a modelling error.
@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from kvagent.data import load_prose
 
 if TYPE_CHECKING:
     from kvagent.engine import Engine
@@ -52,8 +54,6 @@ class Agreement:
 
 def prose_prompts(engine: Engine, n: int, length: int) -> list[list[int]]:
     """``n`` prompts of ``length`` tokens (BOS where the model wants one), one per shipped book."""
-    from kvagent.bench.evict_suite import load_prose
-
     backend = engine.backend
     books = sorted(load_prose().items())
     if n > len(books):

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from kvagent.errors import ContextOverflowError
+from kvagent.kv.pool import SequencePool
 from kvagent.kvblob import KVBlob
 from kvagent.segments import Renderer, Segment
 from kvagent.skills.spec import SkillSpec
 from kvagent.skills.store import SkillStore, StoredSkill, skill_key
-
-if TYPE_CHECKING:
-    from kvagent.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +38,18 @@ class CompiledSkill:
 
 
 class SkillLibrary:
-    """Compiled skills an engine can transplant, looked up by their exact rendered tokens."""
+    """Compiled skills one model can transplant, looked up by their exact rendered tokens.
 
-    def __init__(self, engine: Engine, store: SkillStore | None = None) -> None:
-        self._engine = engine
+    A skill compiled by this process, or by any other (``kvagent skills compile``), is found: the
+    lookup computes the content key from the tokens and asks the store.
+    """
+
+    def __init__(self, pool: SequencePool, fingerprint: str, model_name: str, store: SkillStore | None = None) -> None:
+        self._pool = pool
+        self.fingerprint, self.model_name = fingerprint, model_name
         self.store = store or SkillStore()
         self._by_tokens: dict[tuple[int, ...], CompiledSkill] = {}
+        self._missing: set[tuple[int, ...]] = set()  # skill spans already reported as not compiled
 
     def sink(self, renderer: Renderer) -> list[int]:
         """Tokens a skill is compiled behind: what opens every prompt of this rendering.
@@ -53,7 +57,7 @@ class SkillLibrary:
         The model's BOS where it adds one, then (chat) an empty system message, so the skill's own
         opening tag sits where it sits in a real prompt: after a complete message.
         """
-        backend = self._engine.backend
+        backend = self._pool.backend
         sink = list(backend.bos_ids)
         fmt = renderer.chat_format
         if fmt.name != "plain":
@@ -61,8 +65,7 @@ class SkillLibrary:
         return sink or [backend.bos_id]
 
     def key(self, sink: list[int], tokens: tuple[int, ...]) -> str:
-        backend = self._engine.backend
-        return skill_key(self._engine.fingerprint, backend.format, sink, tokens)
+        return skill_key(self.fingerprint, self._pool.backend.format, sink, tokens)
 
     def compile(self, spec: SkillSpec, renderer: Renderer) -> tuple[CompiledSkill, StoredSkill | None]:
         """Make sure ``spec`` is compiled for this model and rendering; returns (skill, new entry or None)."""
@@ -74,17 +77,15 @@ class SkillLibrary:
         self._by_tokens[tokens] = skill
         if self.store.has(key):
             return skill, None
-        engine, backend = self._engine, self._engine.backend
+        backend = self._pool.backend
         full = (*sink, *tokens)
         if len(full) > backend.n_ctx:
-            from kvagent.errors import ContextOverflowError
-
             raise ContextOverflowError(f"skill {spec.name!r} has {len(tokens)} tokens, more than the context of {backend.n_ctx}")
-        with engine.lock, engine.scratch() as scratch:
+        with self._pool.lock, self._pool.scratch() as scratch:
             backend.decode(full, range(len(full)), [scratch] * len(full), [False] * len(full))
             payload = backend.seq_save(scratch)
-        entry = self.store.put(key, KVBlob(engine.fingerprint, backend.format, full, payload),
-                               name=spec.name, version=spec.version, model=engine.model.name, n_tokens=len(tokens))
+        entry = self.store.put(key, KVBlob(self.fingerprint, backend.format, full, payload), name=spec.name,
+                               version=spec.version, model=self.model_name, n_tokens=len(tokens), seam=spec.seam)
         log.info("compiled skill %s: %d tokens, %d bytes", spec.name, len(tokens), entry.bytes)
         return skill, entry
 
@@ -93,13 +94,30 @@ class SkillLibrary:
         self.compile(spec, renderer)
         return spec.segment()
 
-    def lookup(self, tokens: tuple[int, ...]) -> CompiledSkill | None:
-        return self._by_tokens.get(tokens)
+    def lookup(self, tokens: tuple[int, ...], sink: list[int] | None = None) -> CompiledSkill | None:
+        """The compiled skill whose rendered tokens are ``tokens`` (compiled behind ``sink``), or None.
+
+        Skills compiled in this process are known by their tokens; others are found in the store by
+        their content key. A skill span that is compiled nowhere is logged once with the fix.
+        """
+        skill = self._by_tokens.get(tokens)
+        if skill is not None or sink is None:
+            return skill
+        key = self.key(sink, tokens)
+        entry = self.store.entry(key)
+        if entry is None:
+            if tokens not in self._missing:
+                self._missing.add(tokens)
+                log.warning("a skill span of %d tokens is not compiled for %s: it is prefilled; run `kvagent skills "
+                            "compile DIR --model %s` to transplant it", len(tokens), self.model_name, self.model_name)
+            return None
+        skill = CompiledSkill(entry.name, key, tokens, entry.seam, len(sink))
+        self._by_tokens[tokens] = skill
+        return skill
 
     def fetch(self, skill: CompiledSkill) -> KVBlob:
         """The checked blob of ``skill`` (LRU, else disk); ``SkillStoreError`` if missing or refused."""
-        engine = self._engine
-        return self.store.get(skill.key, fingerprint=engine.fingerprint, backend_format=engine.backend.format, name=skill.name)
+        return self.store.get(skill.key, fingerprint=self.fingerprint, backend_format=self._pool.backend.format, name=skill.name)
 
     def transplant(self, seq: int, skill: CompiledSkill, position: int) -> tuple[int, int]:
         """Place ``skill`` at ``position`` of ``seq`` (whose last position is ``position - 1``).
@@ -107,14 +125,14 @@ class SkillLibrary:
         Returns (tokens decoded fresh, cells copied). Raises ``SkillStoreError`` for a missing, corrupt
         or foreign blob before anything changes.
         """
-        engine, backend = self._engine, self._engine.backend
+        backend = self._pool.backend
         blob = self.fetch(skill)
         n_sink, length = skill.n_sink, len(skill.tokens)
         seam = min(skill.seam, length)
         if seam:
             backend.decode(skill.tokens[:seam], range(position, position + seam), [seq] * seam, [False] * seam)
         if seam < length:
-            with engine.scratch() as scratch:
+            with self._pool.scratch() as scratch:
                 backend.seq_restore(scratch, blob.payload)
                 backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's cell never travels
                 backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)

@@ -44,6 +44,7 @@ class StoredSkill:
     n_tokens: int
     bytes: int
     created: str
+    seam: int = 4  # tokens recomputed in context at each transplant (older sidecars: the spec default)
 
 
 class SkillStore:
@@ -60,12 +61,14 @@ class SkillStore:
     def has(self, key: str) -> bool:
         return key in self._lru or self.path(key).is_file()
 
-    def put(self, key: str, blob: KVBlob, *, name: str, version: str, model: str, n_tokens: int) -> StoredSkill:
+    def put(
+        self, key: str, blob: KVBlob, *, name: str, version: str, model: str, n_tokens: int, seam: int = 4
+    ) -> StoredSkill:
         self.root.mkdir(parents=True, exist_ok=True)
         data = blob.to_bytes()
         _atomic_write(self.path(key), data)
         entry = StoredSkill(key, name, version, model, blob.model_fingerprint, n_tokens, len(data),
-                            time.strftime("%Y-%m-%d %H:%M:%S"))
+                            time.strftime("%Y-%m-%d %H:%M:%S"), seam)
         _atomic_write(self.path(key).with_suffix(".json"), json.dumps(entry.__dict__, indent=1).encode())
         self._remember(key, blob)
         return entry
@@ -89,6 +92,16 @@ class SkillStore:
             ) from exc
         self._remember(key, blob)
         return blob
+
+    def entry(self, key: str) -> StoredSkill | None:
+        """The sidecar of ``key`` when its blob is stored (None when absent or unreadable)."""
+        if not self.path(key).is_file():
+            return None
+        try:
+            return StoredSkill(**json.loads(self.path(key).with_suffix(".json").read_text()))
+        except (OSError, ValueError, TypeError):
+            log.warning("unreadable skill sidecar for %s", key)
+            return None
 
     def entries(self) -> list[StoredSkill]:
         out = []

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from kvagent import Engine, KVAgentError, Segment, Session
-from kvagent.bench.edit import _probe
-from kvagent.bench.edit_suite import TEMPLATES, make_cases
 from kvagent.edits import Erratum, Selective
+from kvagent.edits.suite import TEMPLATES, make_cases, question_segments
 from kvagent.errors import FieldValueError
 from kvagent.fields import FieldSpec
 from tests.conftest import cosine
@@ -52,13 +51,13 @@ def test_erratum_appends_and_keeps_the_prefix_byte_identical(engine: Engine) -> 
         assert prefix_bytes(engine, s, n) == before
         assert s.segments[-1].kind.value == "erratum" and s.field_values["order_status"] == "shipped"
         assert_spans_cover(s)
-        s.extend(*_probe("Question: What is the order status?\nAnswer:"))
+        s.extend(*question_segments("Question: What is the order status?\nAnswer:"))
         assert cosine(s.logits(), cold(engine, list(s.segments))) >= 0.999
 
 
 @pytest.mark.parametrize("value", ["shipped", "cancelled"])  # same and different token length as the initial
 def test_splice_refreshing_everything_equals_recompute(engine: Engine, value: str) -> None:
-    probe = _probe("Question: What is the order status?\nAnswer:")
+    probe = question_segments("Question: What is the order status?\nAnswer:")
     with open_session(engine) as s:
         report = s.set("order_status", value, strategy=Selective(k=10**6))
         assert report.stale == 0 and not s.stale_positions
@@ -88,7 +87,7 @@ def test_field_only_keeps_downstream_stale_and_never_shares_it(engine: Engine, v
         with engine.session(list(s.segments), chat=False) as other:  # may share only the clean prefix
             report = other.prefill()
             assert report.shared <= new_end + 1
-        s.extend(*_probe("Question: What is the order status?\nAnswer:"))
+        s.extend(*question_segments("Question: What is the order status?\nAnswer:"))
         assert s.logits().shape == (engine.backend.n_vocab,)  # decoding continues over shifted stale cells
 
 
@@ -112,7 +111,7 @@ def test_compaction_rebuilds_the_recompute_state(engine: Engine) -> None:
         for case in make_cases(template, 4, seed=3):
             s.replace(list(case.segments))
             s.set_many(case.changes, strategy="recompute")
-            s.extend(*_probe(case.question))
+            s.extend(*question_segments(case.question))
             oracle_tokens, oracle = s.tokens, s.logits()
             s.replace(list(case.segments))
             s.set_many(case.changes)  # one erratum per field
@@ -120,7 +119,7 @@ def test_compaction_rebuilds_the_recompute_state(engine: Engine) -> None:
             assert all(seg.kind.value != "erratum" for seg in s.segments) and report.computed > 0
             assert s.field_values == {**case.before, **case.changes}
             assert_spans_cover(s)
-            s.extend(*_probe(case.question))
+            s.extend(*question_segments(case.question))
             assert s.tokens == oracle_tokens
             assert cosine(s.logits(), oracle) >= 0.999
 
@@ -161,8 +160,8 @@ def test_erratum_template_is_configurable(engine: Engine) -> None:
 
 
 def test_refused_session_arguments_do_not_leak_sequences(engine: Engine) -> None:
-    free = len(engine._free)
+    free = engine.pool.free
     for kwargs in ({"edit_strategy": "nope"}, {"compact_after": 0}):
         with pytest.raises((KVAgentError, ValueError)):
             engine.session([POLICY], **kwargs)  # type: ignore[arg-type]
-    assert len(engine._free) == free
+    assert engine.pool.free == free

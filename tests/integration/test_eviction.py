@@ -65,7 +65,7 @@ _PROSE: dict[tuple[str, int, int], str] = {}
 
 def prose(engine: Engine, n_tokens: int, skip: int = 0) -> str:
     """Whole paragraphs of the shipped book (after ``skip`` paragraphs), at least ``n_tokens`` tokens."""
-    from kvagent.bench.evict_suite import load_prose
+    from kvagent.data import load_prose
 
     key = (engine.model.name, n_tokens, skip)
     if key not in _PROSE:

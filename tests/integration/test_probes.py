@@ -32,9 +32,8 @@ def one_thread() -> Iterator[None]:
 
 def notes_probe(engine, reference, template: str) -> NotesProbe:
     """The first edit-suite case of ``template`` with an equal-length new value (memoised per model)."""
-    from kvagent.bench.edit import Decider
-    from kvagent.bench.edit_suite import TEMPLATES, make_cases
-    from kvagent.bench.probe_notes import SEED, split_case
+    from kvagent.edits.suite import TEMPLATES, Decider, make_cases
+    from kvagent.reference.probe_notes import SEED, split_case
 
     key = (engine.model.name, template)
     if key not in _PROBES:

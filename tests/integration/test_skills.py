@@ -27,8 +27,8 @@ FIDELITY = {"smollm2-135m": 0.96, "gemma3-270m": 0.985}
 @pytest.fixture()
 def library(engine: Engine, tmp_path: Path) -> Iterator[SkillLibrary]:
     """A fresh store per test, so compile and refusals are seen from scratch."""
-    previous = engine.skills_if_loaded
-    engine.skills = SkillLibrary(engine, SkillStore(tmp_path / "skills"))
+    previous = engine._skills
+    engine.skills = engine.skill_library(SkillStore(tmp_path / "skills"))
     yield engine.skills
     if previous is not None:
         engine.skills = previous
@@ -37,14 +37,14 @@ def library(engine: Engine, tmp_path: Path) -> Iterator[SkillLibrary]:
 def recompute(engine: Engine, segments: list[Segment]) -> np.ndarray:
     with engine.session(segments, share_prefix=False) as s:
         report = s.prefill()
-        assert report.transplanted == 0 or engine.skills_if_loaded is None
+        assert report.transplanted == 0 or engine._skills is None
         return s.logits()
 
 
 def cold_logits(engine: Engine, segments: list[Segment]) -> np.ndarray:
     # a recompute that cannot transplant: the skills are looked up by tokens in the library
-    saved = engine.skills_if_loaded
-    engine.skills = SkillLibrary(engine, SkillStore(Path("/nonexistent-kvagent-store")))
+    saved = engine._skills
+    engine.skills = engine.skill_library(SkillStore(Path("/nonexistent-kvagent-store")))
     try:
         with engine.session(segments, share_prefix=False) as s:
             assert s.prefill().transplanted == 0
@@ -136,10 +136,10 @@ def test_refused_blob_leaves_the_cache_untouched(engine: Engine, library: SkillL
     else:  # a blob another model wrote, placed under this model's key
         other = "gemma3-270m" if engine.settings.model == "smollm2-135m" else "smollm2-135m"
         with Engine.load(other, n_ctx=2048, n_seq_max=2) as eng2:
-            eng2.skills = SkillLibrary(eng2, SkillStore(path.parent / "other"))
+            eng2.skills = eng2.skill_library(SkillStore(path.parent / "other"))
             foreign, _ = eng2.skills.compile(spec, eng2.renderer(True))
             path.write_bytes(eng2.skills.store.path(foreign.key).read_bytes())
-    fresh = SkillLibrary(engine, SkillStore(path.parent))  # empty LRU: the blob is read from disk
+    fresh = engine.skill_library(SkillStore(path.parent))  # empty LRU: the blob is read from disk
     fresh._by_tokens[skill.tokens] = skill
     engine.skills = fresh
     with engine.session([POLICY], share_prefix=False) as s:
@@ -175,7 +175,7 @@ def test_compiled_skill_is_reused_not_recompiled(engine: Engine, library: SkillL
 
 def test_transplant_without_a_free_sequence_changes_nothing(library: SkillLibrary) -> None:
     with Engine.load("smollm2-135m", n_ctx=2048, n_seq_max=1) as small:
-        small.skills = SkillLibrary(small, library.store)
+        small.skills = small.skill_library(library.store)
         segment = small.skills.segment(SHIPPED["refund-policy"], small.renderer(True))
         with small.session([POLICY], share_prefix=False) as s:
             s.prefill()

@@ -9,6 +9,7 @@ from importlib import resources
 import pytest
 
 from kvagent.bench import evict_suite as es
+from kvagent.data import PROSE_PACKAGE
 
 
 def words(text: str) -> int:
@@ -63,7 +64,7 @@ def test_prose_is_plain_paragraphs() -> None:
 
 
 def test_sources_lists_every_shipped_file() -> None:
-    root = resources.files(es.PROSE_PACKAGE)
+    root = resources.files(PROSE_PACKAGE)
     sources = root.joinpath("SOURCES.md").read_text(encoding="utf-8")
     shipped = sorted(e.name for e in root.iterdir() if e.name.endswith(".txt"))
     assert shipped == sorted(f"{slug}.txt" for slug in es.load_prose())

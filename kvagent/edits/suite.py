@@ -1,4 +1,7 @@
-"""The decision suite of the edit benchmark: prompt templates with mutable fields and a question.
+"""The decision suite: prompt templates with mutable fields and a question, and the decision read on them.
+
+Shared by ``kvagent edits calibrate`` (:mod:`kvagent.edits.calibrate`), ``kvagent probe notes``
+(:mod:`kvagent.reference.probe_notes`) and the edit benchmark (``kvagent bench edit``).
 
 Each case is a plain-text few-shot prompt (instructions and worked examples, the record's fields,
 downstream notes) whose answer depends on a field, an edit of one or more fields, and a question.
@@ -11,15 +14,26 @@ Templates (issue: a rule applied to the field, a lookup, several fields):
 - ``derived``: the customer's country; the question asks for its capital (a rule applied to the field).
 - ``lookup``: an order status; the question asks for it.
 - ``multi``: a ticket's assignee and priority, both edited together; the question asks for the assignee.
+
+:class:`Decider` takes that decision from logits; :func:`question_segments` are the segments a question is
+appended as; :func:`answerable` tells whether a case's answers before and after its edit are decidable.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import numpy as np
 
 from kvagent.segments import Segment
+
+if TYPE_CHECKING:
+    from kvagent.engine import Engine
+
+log = logging.getLogger(__name__)
 
 NOTES = [
     "The customer contacted support by email last week.",
@@ -164,3 +178,37 @@ def long_notes(n_sentences: int, seed: int = 0) -> str:
     """Filler notes for latency cases (numbered log entries built from the note pool)."""
     rng = random.Random(seed)
     return " ".join(f"Log {i + 1}: {rng.choice(NOTES)}" for i in range(n_sentences))
+
+
+@dataclass
+class Decider:
+    """Restricted argmax over the answers' first tokens (answers whose first tokens collide are dropped)."""
+
+    tokens: dict[str, int]
+
+    @classmethod
+    def build(cls, engine: Engine, answers: Iterable[str]) -> Decider:
+        tokens: dict[str, int] = {}
+        for answer in answers:
+            tok = engine.backend.tokenize(answer, special=False)[0]
+            if tok in tokens.values():
+                log.info("answer %r shares its first token with another one: left out", answer)
+                continue
+            tokens[answer] = tok
+        return cls(tokens)
+
+    def __call__(self, logits: np.ndarray) -> tuple[str, float]:
+        """(decision, margin between the best and second-best candidate logits)."""
+        scored = sorted(((float(logits[t]), a) for a, t in self.tokens.items()), reverse=True)
+        return scored[0][1], scored[0][0] - scored[1][0]
+
+
+def question_segments(question: str) -> tuple[Segment, Segment]:
+    """The question as a user segment and the open reply after it (what a decision is read after)."""
+    return Segment.user(question), Segment.reply()
+
+
+def answerable(case: Case, template: Template, decide: Decider) -> bool:
+    """Whether the right answers before and after the case's edit are both among ``decide``'s candidates."""
+    after = {**case.before, **case.changes}
+    return template.answer(case.before) in decide.tokens and template.answer(after) in decide.tokens

@@ -1,6 +1,6 @@
 """``kvagent probe notes``: source paper A's causal probes (:mod:`kvagent.reference.probes`) on edit-suite cases.
 
-Cases come from the edit suite (:mod:`kvagent.bench.edit_suite`), rendered as plain text exactly as
+Cases come from the decision suite (:mod:`kvagent.edits.suite`), rendered as plain text exactly as
 an edit session renders them (``engine.renderer(False)``: each segment tokenized on its own, then a
 newline), tokenized by the llama.cpp engine's backend, and run on the float32 torch reference loaded
 from the same GGUF. Per case:
@@ -46,13 +46,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvagent.bench.calibrate import K_GRID, SINGLE_FIELD
-from kvagent.bench.common import RESULTS_DIR, write_json
-from kvagent.bench.edit import Decider, _probe
-from kvagent.bench.edit_suite import TEMPLATES, Case, Template, make_cases
+from kvagent.edits.calibrate import K_GRID, SINGLE_FIELD
 from kvagent.edits.calibration import Calibration, save_calibration
+from kvagent.edits.suite import TEMPLATES, Case, Decider, Template, make_cases, question_segments
 from kvagent.errors import ProbeInputError
 from kvagent.reference.probes import KS, MIN_MARGIN, NotesProbe, NotesReport, ProbeCase
+from kvagent.results import RESULTS_DIR, write_json
 from kvagent.segments import SegmentKind, common_prefix
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ def split_case(
     index = next(i for i, s in enumerate(case.segments) if s.kind is SegmentKind.FIELD and s.name == name)
     pool = [v for v in template.fields[name].pool if v not in (old_value, case.changes[name])]
     rng.shuffle(pool)
-    old_rendered = renderer.render([*case.segments, *_probe(case.question)])
+    old_rendered = renderer.render([*case.segments, *question_segments(case.question)])
     old_tokens = old_rendered.tokens
     old_answer = decide.tokens.get(template.answer(case.before))
     if old_answer is None:
@@ -113,7 +112,7 @@ def split_case(
             continue
         segments = list(case.segments)
         segments[index] = segments[index].with_value(new_value)
-        new_tokens = renderer.render([*segments, *_probe(case.question)]).tokens
+        new_tokens = renderer.render([*segments, *question_segments(case.question)]).tokens
         if len(new_tokens) != len(old_tokens):
             continue
         a = common_prefix(old_tokens, new_tokens)

@@ -1,1 +1,0 @@
-"""Data shipped with the benchmarks."""

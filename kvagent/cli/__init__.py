@@ -1,0 +1,15 @@
+"""The ``kvagent`` command line (entry point ``kvagent.cli:app``).
+
+One module per command group: :mod:`kvagent.cli.main` holds the root app (``--verbose``, ``demo``,
+``models``) and registers every group; each group module (``bench``, ``edits``, ``native``, ``skills``,
+``reference``, ``probe``) defines its own ``app = typer.Typer(...)`` and its commands; shared helpers are in
+:mod:`kvagent.cli.common`. To add a group: a module here with its ``app``, and one ``add_typer`` line in
+:mod:`kvagent.cli.main`. Commands import what they run inside their bodies, so ``--help`` stays fast.
+
+Layering: only :mod:`kvagent.cli.bench` (the entry to the benchmarks) imports ``kvagent.bench``
+(checked by ``tests/unit/test_layering.py``).
+"""
+
+from kvagent.cli.main import app
+
+__all__ = ["app"]

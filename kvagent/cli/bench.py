@@ -1,0 +1,156 @@
+"""``kvagent bench ...``: the benchmarks (:mod:`kvagent.bench`), each writing JSON and a plot.
+
+The only product module that imports ``kvagent.bench``, and only inside the commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvagent.cli.common import command_line, console, model_names, print_table
+from kvagent.results import RESULTS_DIR
+
+app = typer.Typer(help="Benchmarks: write JSON and a plot to bench/results/.", no_args_is_help=True)
+
+
+@app.command("edit")
+def bench_edit(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="A few cases per template (about 3 minutes)."),
+    cases: int = typer.Option(100, help="Cases per template and model (ignored with --quick)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/edit.json)."),
+) -> None:
+    """Every edit strategy against a full recompute: recovery on flips, edit-to-first-token vs re-prefill."""
+    from rich.progress import Progress
+
+    from kvagent.bench import edit
+
+    json_path = json_path or (RESULTS_DIR / ("edit-quick.json" if quick else "edit.json"))
+    n_cases, latency_tokens, reps = (6, 1000, 1) if quick else (cases, 2000, 3)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("edit benchmark", total=None)
+        rows = edit.run(
+            model_names(model), n_cases, latency_tokens, reps, json_path, command_line(),
+            progress=lambda msg: progress.update(task, description=msg),
+        )
+    plot_path = json_path.with_suffix(".png")
+    edit.plot(rows, plot_path)
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print_table(
+        f"edit strategies vs full recompute ({json_path}, {plot_path})",
+        ("model", "template", "strategy", "cases", "flips", "recovery", "clear flips", "recovery (clear)",
+         "accuracy", "edit->token s", "re-prefill s", "speedup"),
+        [[r["model"], r["template"], r["strategy"], str(r["n_cases"]), fmt(r["n_flips"], "d"),
+          fmt(r["recovery"], ".2f"), fmt(r.get("n_clear_flips"), "d"), fmt(r.get("recovery_clear"), ".2f"),
+          fmt(r.get("accuracy"), ".2f"), f"{r['edit_to_token_s']:.3f}", f"{r['reprefill_s']:.3f}",
+          f"{r['speedup']:.1f}x"] for r in rows],
+    )
+
+
+@app.command("compose")
+def bench_compose(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="Skills of 256-2k tokens, seams 0 and 4 (about 3 minutes)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/compose.json)."),
+    skills_dir: Path = typer.Option(Path("skills"), help="Skill files the benchmark texts are built from."),
+) -> None:
+    """Skill transplants vs full prefill: cosine, top-1, greedy agreement, TTFT speedup, transplant vs memcpy."""
+    import tempfile
+
+    from kvagent.bench import compose
+
+    json_path = json_path or (RESULTS_DIR / ("compose-quick.json" if quick else "compose.json"))
+    sizes, seams = ([256, 1024, 2048], [0, 4]) if quick else ([256, 1024, 2048, 4096, 8192], [0, 1, 4, 16])
+    with tempfile.TemporaryDirectory() as store, console.status("compose benchmark") as status:
+        rows = compose.run(model_names(model), sizes, seams, skills_dir, Path(store), json_path,
+                           command_line(), progress=lambda m: status.update(m))
+    compose.plot(rows, json_path.with_suffix(".png"))
+    print_table(
+        f"skill transplant vs full prefill ({json_path})",
+        ("model", "case", "tokens", "seam", "cosine", "top-1", "greedy", "TTFT transplant s", "TTFT prefill s",
+         "speedup", "transplant ms", "memcpy ms"),
+        [[r["model"], r["case"], str(r["skill_tokens"]), str(r["seam"]), f"{r['cosine']:.4f}",
+          "yes" if r["top1_agree"] else "no", f"{r['greedy_agree']:.2f}", f"{r['ttft_transplant_s']:.3f}",
+          f"{r['ttft_prefill_s']:.2f}", f"{r['speedup']:.1f}x", f"{r['transplant_s'] * 1e3:.1f}",
+          f"{r['memcpy_s'] * 1e3:.1f}"] for r in rows],
+    )
+
+
+@app.command("backend")
+def bench_backend(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    prompt_tokens: int = typer.Option(1000, help="Prompt length to prefill."),
+    decode_tokens: int = typer.Option(64, help="Tokens to decode after it."),
+    reps: int = typer.Option(3, help="Repetitions (medians are reported)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/backend.json)."),
+) -> None:
+    """Prefill and decode throughput with flash attention off and on."""
+    from kvagent.bench import backend
+
+    json_path = json_path or backend.DEFAULT_JSON
+    with console.status("backend benchmark") as status:
+        rows = backend.run(model_names(model), prompt_tokens, decode_tokens, reps, json_path,
+                           command_line(), progress=lambda m: status.update(m))
+    backend.plot(rows, json_path.with_suffix(".png"))
+    print_table(
+        f"llama.cpp backend throughput ({json_path})",
+        ("model", "flash_attn", "prompt tokens", "prefill s", "prefill tok/s", "decode tok/s"),
+        [[r["model"], str(r["flash_attn"]), str(r["prompt_tokens"]), f"{r['prefill_s']:.2f}",
+          f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}"] for r in rows],
+    )
+
+
+@app.command("capture")
+def bench_capture(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    prompt_tokens: int = typer.Option(256, help="Prompt length to prefill."),
+    decode_tokens: int = typer.Option(64, help="One-token decode steps after it."),
+    reps: int = typer.Option(3, help="Repetitions (medians are reported)."),
+    threads: int = typer.Option(1, help="llama.cpp threads (0 = all cores; 1 is steadiest on a shared machine)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/capture.json)."),
+) -> None:
+    """Prefill and decode throughput with activation capture (cb_eval) off, in Python and native."""
+    from kvagent.bench import capture
+
+    json_path = json_path or capture.DEFAULT_JSON
+    with console.status("capture benchmark") as status:
+        rows = capture.run(model_names(model), prompt_tokens, decode_tokens, reps, json_path,
+                           command_line(), threads, progress=lambda m: status.update(m))
+    capture.plot(rows, json_path.with_suffix(".png"))
+    print_table(
+        f"activation capture throughput ({json_path})",
+        ("model", "capture", "prefill tok/s", "prefill overhead", "decode tok/s", "decode overhead", "graph nodes"),
+        [[r["model"], r["capture"], f"{r['prefill_tok_s']:.0f}", f"{r['prefill_overhead']:.1%}",
+          f"{r['decode_tok_s']:.1f}", f"{r['decode_overhead']:.1%}", str(r["graph_nodes"] or "-")] for r in rows],
+    )
+
+
+@app.command("evict")
+def bench_evict(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="Fewer cases, policies and sizes (about 3 minutes per model)."),
+    cases: int = typer.Option(None, help="Fact-retention cases per policy and budget (default 5; 2 with --quick)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/evict.json)."),
+) -> None:
+    """Eviction policies: fact retention, streaming perplexity, per-cycle latency (source paper B)."""
+    from kvagent.bench import evict
+
+    json_path = json_path or evict.DEFAULT_JSON
+    with console.status("eviction benchmark") as status:
+        rows = evict.run(model_names(model), quick, json_path, command_line(),
+                         progress=lambda m: status.update(m), cases=cases)
+    evict.plot(rows, json_path.parent)
+
+    def fmt(r: dict) -> str:
+        if r["task"] == "retention":
+            return f"{r['score']:.2f}"
+        return f"{r['score']:.2f}" if r["score"] is not None else "-"
+
+    print_table(
+        f"eviction ({json_path})",
+        ("model", "task", "policy", "budget / n", "score", "ms per cycle"),
+        [[r["model"], r["task"], r["policy"], str(r["budget"] if r["task"] != "latency" else r["n"]), fmt(r),
+          f"{r['cycle_ms']:.1f}" if r.get("cycle_ms") is not None else "-"] for r in rows],
+    )

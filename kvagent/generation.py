@@ -1,0 +1,307 @@
+"""Generation: one assistant turn decoded token by token, in steps a scheduler can drive.
+
+A :class:`Decoder` has three phases, in the shape of gpt-fast's ``prefill`` / ``decode_one_token``:
+``prepare`` syncs the prompt (reused prefix + computed suffix, pausing between chunks), ``step`` samples
+the next token from the current logits and asks for it to be decoded (a :class:`DecodeStep` the
+scheduler batches with other sessions' tokens), ``finish`` commits the turn as an assistant segment whose
+KV stays cached; ``abort`` rolls the turn back (the cache and the prompt return to what they were).
+:func:`generation_work` strings them together as one unit of runtime work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from kvagent.errors import ContextOverflowError, KVAgentError
+from kvagent.kv.steps import PAUSE, DecodeStep, Work
+from kvagent.kv.sync import PrefillReport
+from kvagent.sampling import Sampler
+from kvagent.segments import Rendered, Renderer, Segment, SegmentKind
+from kvagent.textstream import TextAssembler
+
+if TYPE_CHECKING:
+    from kvagent.kv.sequence import CachedSequence
+
+# how many text pieces a generation may run ahead of its consumer before it waits for it
+AHEAD = 64
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generated assistant turn and what it cost.
+
+    ``finish_reason``: ``eos`` (the model ended its turn), ``stop`` (a stop string), ``length``
+    (``max_tokens`` reached). ``reused``/``computed`` count the prompt tokens of this call;
+    ``ttft_s`` is the time from the call to the first sampled token. ``text`` is what the model
+    generated; with an answer ``prefix`` the cached turn holds ``prefix + text``.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    reused: int
+    computed: int
+    ttft_s: float
+    total_s: float
+    transplanted: int = 0  # prompt tokens whose KV came from compiled skills
+    prefix: str = ""  # the answer prefix the turn was started from
+
+    @property
+    def generated(self) -> int:
+        return len(self.token_ids)
+
+
+class TurnHost(Protocol):
+    """What a decoder needs from the session it generates for."""
+
+    state: CachedSequence
+    renderer: Renderer
+
+    @property
+    def segments(self) -> tuple[Segment, ...]: ...
+    def sync_work(self, rendered: Rendered) -> Work[PrefillReport]: ...
+    def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]: ...
+    def restore_segments(self, segments: Sequence[Segment]) -> None: ...
+    def remember_turn(self, text: str, token_ids: tuple[int, ...]) -> None: ...
+
+
+class Decoder:
+    """One turn on ``host``: ``prepare`` -> (``step`` -> ``accept``)* -> ``finish`` (or ``abort``).
+
+    ``extra`` segments (e.g. the user turn) are appended before the reply and prefilled in the same pass,
+    so TTFT covers them; ``prefix`` starts the reply with given text (the model continues it).
+    ``on_piece`` receives each piece of final text as soon as it is known.
+    """
+
+    def __init__(
+        self, host: TurnHost, max_tokens: int, sampler: Sampler, stop: Sequence[str], extra: Sequence[Segment],
+        prefix: str = "", on_piece: Callable[[str], None] = lambda piece: None,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.host = host
+        self.max_tokens, self.sampler, self.prefix = max_tokens, sampler, prefix
+        self.extra = list(extra)
+        self.on_piece = on_piece
+        self._out = TextAssembler(list(stop))
+        self.ids: list[int] = []
+        self.finish_reason = "length"
+        self.ttft = 0.0
+        self.done = False
+        self._start = time.perf_counter()
+        self._original: list[Segment] = []
+        self._rendered: Rendered | None = None
+        self._report = PrefillReport(0, 0, 0.0)
+        self._call_start = 0
+        self._logits: np.ndarray | None = None
+        self._reserve = 0
+
+    @property
+    def batchable(self) -> bool:
+        return self.host.state.batchable
+
+    def prepare(self) -> Work[None]:
+        """Sync the prompt (with the extra segments and the open reply) and keep its next-token logits."""
+        host = self.host
+        self._original = list(host.segments)
+        pending = Segment(SegmentKind.TURN, self.prefix, role="assistant", complete=False)
+        rendered = host.renderer.render([*self._original, *self.extra, pending])
+        self._rendered = rendered
+        self._report = yield from host.sync_work(rendered)
+        self._call_start = rendered.spans[len(self._original)].first  # where this call's segments begin
+        self._reserve = 1 + host.renderer.closing_length("assistant")  # a finished turn always fits
+        self._logits = host.state.logits
+
+    def step(self) -> DecodeStep | None:
+        """Sample the next token; the decode it needs, or None when the turn is complete."""
+        if self._logits is None:
+            raise KVAgentError("step() before prepare() finished (internal error)")
+        token = self.sampler(self._logits)
+        if not self.ids:
+            self.ttft = time.perf_counter() - self._start
+        if self.host.state.backend.is_eog(token):
+            self.finish_reason, self.done = "eos", True
+            return None
+        self.ids.append(token)
+        piece = self._out.feed(self.host.state.backend.token_bytes(token))
+        if piece:
+            self.on_piece(piece)
+        if self._out.stopped:
+            self.finish_reason, self.done = "stop", True
+        elif len(self.ids) >= self.max_tokens:
+            self.done = True
+        if self.done:
+            return None
+        state = self.host.state
+        if state.cells + self._reserve > state.backend.n_ctx:
+            self.abort()
+            raise ContextOverflowError(
+                f"the context of {state.backend.n_ctx} tokens filled up after {len(self.ids)} generated tokens: the "
+                "turn was rolled back; start a new session or load the engine with a larger n_ctx",
+                partial=self._out.text,
+            )
+        return DecodeStep(token, len(state.tokens), state.seq)
+
+    def accept(self, step: DecodeStep, logits: np.ndarray) -> None:
+        """``step``'s token was decoded with next-token ``logits`` ``[n_vocab]``."""
+        if self._rendered is None:
+            raise KVAgentError("accept() before prepare() (internal error)")
+        self.host.state.append(step.token, logits, self._rendered)
+        self._logits = logits
+
+    def decode_alone(self, step: DecodeStep) -> None:
+        """Decode ``step`` without the batch (sessions whose eviction records hidden states)."""
+        if self._rendered is None:
+            raise KVAgentError("decode_alone() before prepare() (internal error)")
+        self._logits = self.host.state.decode_token(step.token, self._rendered)
+
+    def finish(self) -> Work[Generation]:
+        """Commit the turn (its tokens stay cached) and return the :class:`Generation`."""
+        tail = self._out.flush()
+        if tail:
+            self.on_piece(tail)
+        text = self._out.text
+        host = self.host
+        body_ids: tuple[int, ...] | None = None
+        if self.finish_reason != "stop":  # a stop string cut the text mid-token: its tokens come from the text
+            body_ids = (*self._prefix_ids(), *self.ids)
+            host.remember_turn(self.prefix + text, body_ids)
+        turn = Segment.assistant(self.prefix + text, token_ids=body_ids)
+        yield from host.replace_work([*self._original, *self.extra, turn])
+        r = self._report
+        return Generation(text, tuple(self.ids), self.finish_reason, r.reused, r.computed, self.ttft,
+                          time.perf_counter() - self._start, r.transplanted, self.prefix)
+
+    def abort(self) -> None:
+        """Roll the turn back: the prompt and cache are what they were before the call (the reused
+        prefix stays cached)."""
+        state = self.host.state
+        if len(state.tokens) > self._call_start:
+            state.cut(self._call_start)
+        self.host.restore_segments(self._original)
+
+    def _prefix_ids(self) -> tuple[int, ...]:
+        if not self.prefix or self._rendered is None:
+            return ()
+        span = self._rendered.spans[-1]
+        opening = len(self.host.renderer.segment_tokens(Segment.reply()))
+        return self._rendered.tokens[span.first + opening : span.last + 1]
+
+
+def generation_work(decoder: Decoder, *, drain: bool = False) -> Work[Generation]:
+    """The whole turn as one unit of work; any failure or cancellation rolls it back.
+
+    ``drain``: pause once before committing, so a scheduler can hold the commit until the reader has
+    taken every piece (a stream closed before its end is then rolled back, however fast it ran).
+    """
+    prepared = False
+    try:
+        yield from decoder.prepare()
+        prepared = True
+        while (step := decoder.step()) is not None:
+            if decoder.batchable:
+                logits = yield step
+                decoder.accept(step, logits)
+            else:
+                decoder.decode_alone(step)
+                yield PAUSE
+        if drain:
+            yield PAUSE
+        return (yield from decoder.finish())
+    except BaseException:
+        if prepared and not decoder.done:
+            decoder.abort()
+        elif not prepared:
+            decoder.host.restore_segments(decoder._original or list(decoder.host.segments))
+        raise
+
+
+class GenerationStream:
+    """Iterator of text pieces of one generation; :attr:`result` holds the :class:`Generation` at the end.
+
+    Closing it (``close()``, or dropping it) before the end cancels the generation at its next token and
+    rolls the turn back.
+    """
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self.result: Generation | None = None
+        self._pieces: list[object] = []
+        self._cond = threading.Condition()
+        self._taken = 0
+        self._error: BaseException | None = None
+        self._finished = False
+        self._closed = False
+        self.consumer: int | None = None  # thread id of the last reader
+        self.on_read: Callable[[], None] = lambda: None  # wakes the producer (set by the session)
+        self.on_close: Callable[[], None] = lambda: None  # cancels the producer (set by the session)
+
+    # -- producer side (the scheduler's thread) -----------------------------------------------------
+    def push(self, piece: str) -> None:
+        with self._cond:
+            self._pieces.append(piece)
+            self._cond.notify_all()
+
+    def end(self, result: Generation | None, error: BaseException | None) -> None:
+        with self._cond:
+            self.result, self._error, self._finished = result, error, True
+            self._pieces.append(self._END)
+            self._cond.notify_all()
+
+    @property
+    def backlog(self) -> int:
+        """Pieces produced and not read yet."""
+        return len(self._pieces) - self._taken
+
+    @property
+    def live(self) -> bool:
+        """Not finished, not closed."""
+        return not (self._finished or self._closed)
+
+    # -- consumer side ----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        self.consumer = threading.get_ident()
+        with self._cond:
+            while self._taken >= len(self._pieces):
+                if self._closed:
+                    raise StopIteration
+                self._cond.wait(0.5)
+            item = self._pieces[self._taken]
+            self._taken += 1
+        self.on_read()
+        if item is self._END:
+            self._closed = True
+            if self._error is not None:
+                raise self._error
+            raise StopIteration
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop early: the generation is cancelled at its next token and its turn rolled back."""
+        if not self._closed:
+            self._closed = True
+            if not self._finished:
+                self.on_close()
+            with self._cond:
+                self._cond.notify_all()
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass

@@ -1,0 +1,108 @@
+"""SequencePool: the backend's sequences, who holds them, and which cells they share.
+
+The pool owns the backend's sequence ids (a free list), lends scratch sequences for KV surgery, keeps
+the :class:`PrefixIndex` of every live sequence's shareable prefix, and records which sequences share
+cells (``seq_cp`` in a unified KV pool shares cells instead of copying them: a shift of one sharer moves
+the others' too, DESIGN.md). ``lock`` serialises every native call on the backend; whoever calls the
+backend directly (benchmarks, tests) takes it.
+
+Invariant: a sequence id is either free (empty in the backend) or held by exactly one owner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from kvagent.backends.base import Backend
+from kvagent.errors import KVAgentError
+from kvagent.kv.prefix import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+class SequencePool:
+    """Sequence ids of one backend: take / release, scratch sequences, the prefix index, shared cells."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.lock = threading.RLock()
+        self.index = PrefixIndex()
+        self._free = list(range(backend.n_seq_max - 1, -1, -1))
+        self._held: set[int] = set()
+        # (a, b) with a < b -> cells at positions < upto are shared by both sequences
+        self._shared: dict[tuple[int, int], int] = {}
+
+    # -- ids --------------------------------------------------------------------------------------
+    @property
+    def free(self) -> int:
+        """How many sequences are free now."""
+        return len(self._free)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def take(self, purpose: str) -> int:
+        """A free sequence id, emptied; refused with the fix when every sequence is in use."""
+        with self.lock:
+            if not self._free:
+                raise KVAgentError(
+                    f"no free sequence for {purpose}: all {self.backend.n_seq_max} are in use; close a session or "
+                    "load the engine with a larger n_seq_max"
+                )
+            seq = self._free.pop()
+            self.backend.seq_rm(seq, -1, -1)
+            self._held.add(seq)
+            return seq
+
+    def release(self, seq: int) -> None:
+        """Empty ``seq`` and make it free again (idempotent)."""
+        with self.lock:
+            if seq not in self._held:
+                return
+            self.index.remove(seq)
+            self.cut(seq, 0)
+            self.backend.seq_rm(seq, -1, -1)
+            self._held.discard(seq)
+            self._free.append(seq)
+
+    @contextmanager
+    def scratch(self) -> Iterator[int]:
+        """A temporary sequence (for splicing KV left to right), emptied and freed on exit."""
+        with self.lock:
+            seq = self.take("a scratch copy")
+            try:
+                yield seq
+            finally:
+                self.release(seq)
+
+    # -- shared cells -----------------------------------------------------------------------------
+    def share(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``seq_cp`` of ``src``'s cells ``[p0, p1)`` into ``dst``, recording that both now hold them."""
+        with self.lock:
+            self.backend.seq_cp(src, dst, p0, p1)
+            self._note(src, dst, p1)
+            for (a, b), upto in list(self._shared.items()):  # dst now also shares what src shares
+                other = b if a == src else a if b == src else -1
+                if other >= 0 and other != dst:
+                    self._note(other, dst, min(upto, p1))
+
+    def shares_beyond(self, seq: int, position: int) -> bool:
+        """Whether another sequence may hold ``seq``'s cells at ``position`` or later (conservative)."""
+        return any(upto > position and seq in pair for pair, upto in self._shared.items())
+
+    def cut(self, seq: int, position: int) -> None:
+        """``seq`` dropped its cells from ``position`` on: it shares nothing from there."""
+        for pair, upto in list(self._shared.items()):
+            if seq in pair:
+                if position <= 0:
+                    del self._shared[pair]
+                elif upto > position:
+                    self._shared[pair] = position
+
+    def _note(self, a: int, b: int, upto: int) -> None:
+        pair = (min(a, b), max(a, b))
+        self._shared[pair] = max(self._shared.get(pair, 0), upto)

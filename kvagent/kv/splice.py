@@ -1,0 +1,94 @@
+"""Splice: rewrite one field's KV in place and keep the downstream KV (field-only and selective edits).
+
+Source paper A ("Models take notes during prefill", DESIGN.md) measures these edits against the
+erratum; kvagent keeps them because on small models they often hold and cost a few tokens. llama.cpp
+accepts a sequence's new tokens only at ``pos_max + 1``, so the splice is built left to right: the
+downstream KV is parked in a scratch sequence, the field decoded fresh, then runs of parked cells copied
+back (shifted by RoPE when the field's length changed) and the ``refresh`` positions decoded in order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from kvagent.errors import ContextOverflowError, KVAgentError
+from kvagent.kv.sequence import CachedSequence
+from kvagent.kv.steps import Work
+from kvagent.kv.sync import PrefillReport
+from kvagent.segments import Rendered, Span
+
+Refresh = Callable[[Rendered, Span], Iterable[int]]
+
+
+def splice_refusal(state: CachedSequence, old: Rendered, new: Rendered, index: int) -> str | None:
+    """Why the field at segment ``index`` cannot be spliced exactly (the caller recomputes), or None."""
+    backend = state.backend
+    first, last = old.spans[index].first, old.spans[index].last
+    delta = new.spans[index].last - last
+    if state.evicted:
+        return "the downstream KV was partly evicted"
+    if first < state.floor or (backend.n_swa and len(old.tokens) - first > backend.n_swa):
+        # llama.cpp keeps only a window of SWA cells once they fall out of every query's reach (and saves
+        # no more), so KV far behind the end cannot be spliced into exactly (measured on Gemma-3)
+        return f"more than the sliding window ({backend.n_swa}) lies downstream, or the KV was restored/transplanted"
+    if delta != 0 and backend.n_swa and state.pool.shares_beyond(state.seq, last + 1):
+        # giving the parked run its own cells restores saved state, which keeps only the SWA window
+        return "the downstream cells are shared with another session and the model uses sliding-window attention"
+    if delta != 0 and not backend.capabilities.shift:
+        return "the field's length changed and this backend cannot shift cells"
+    return None
+
+
+def splice_field(state: CachedSequence, old: Rendered, new: Rendered, index: int, refresh: Refresh | None) -> Work[PrefillReport]:
+    """Rewrite segment ``index`` (a field) from ``old`` to ``new``; every other downstream cell keeps its
+    KV (stale) except the positions ``refresh(old, old_span)`` names (old coordinates), decoded in context.
+
+    Precondition: ``state`` holds ``old.tokens`` and :func:`splice_refusal` returned None.
+    """
+    start = time.perf_counter()
+    backend, pool, seq = state.backend, state.pool, state.seq
+    if len(new.tokens) > backend.n_ctx:
+        raise ContextOverflowError(f"the edited prompt of {len(new.tokens)} tokens exceeds the context of {backend.n_ctx}")
+    first, last = old.spans[index].first, old.spans[index].last
+    delta = new.spans[index].last - last
+    n_old, n_new = len(old.tokens), len(new.tokens)
+    picked = set(refresh(old, old.spans[index])) if refresh is not None else set()
+    fresh = {p + delta for p in picked if last < p < n_old} | set(range(first, last + delta + 1))
+    computed = 0
+    with pool.scratch() as park:
+        if last + 1 < n_old:
+            if delta != 0 and pool.shares_beyond(seq, last + 1):
+                # a shift moves every sharer of a cell: give the parked run its own cells first
+                backend.seq_restore(park, backend.seq_save(seq))
+                backend.seq_rm(park, 0, last + 1)
+            else:  # park the run by sharing its cells (no copy)
+                pool.share(seq, park, last + 1, n_old)
+        state.cut(first)
+        if delta != 0 and last + 1 < n_old:
+            # the park is now the only holder of those cells: shifting them moves nobody else
+            backend.seq_add(park, last + 1, -1, delta)
+        pos = first
+        try:
+            while pos < n_new:
+                run_fresh = pos in fresh
+                end = pos
+                while end < n_new and (end in fresh) == run_fresh:
+                    end += 1
+                if run_fresh:
+                    n = end - pos
+                    backend.decode(new.tokens[pos:end], range(pos, end), [seq] * n, [False] * n)
+                    computed += n
+                else:
+                    pool.share(park, seq, pos, end)
+                state.tokens = new.tokens[:end]
+                pos = end
+        except KVAgentError:
+            state.cut(first)  # the prompt holds the new value; its KV from the field on is recomputed later
+            raise
+    kept = frozenset(p for p in range(last + delta + 1, n_new) if p not in fresh)
+    state.tokens, state.logits = new.tokens, None
+    state.stale = state.stale | kept
+    state.publish()
+    return PrefillReport(reused=first + len(kept), computed=computed, seconds=time.perf_counter() - start)
+    yield  # pragma: no cover - a unit of work like the others, though it never pauses (it holds a scratch)

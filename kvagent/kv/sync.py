@@ -1,0 +1,159 @@
+"""Sync: make a sequence hold exactly a rendered prompt, reusing what is cached.
+
+The longest prefix already cached (in this sequence, or shared from another through the pool's prefix
+index) is kept; the rest is cut and rebuilt left to right from the plan (``kv.plan``): decoded runs, and
+compiled skills transplanted by RoPE re-rotation (source paper A, "Models take notes during prefill",
+DESIGN.md). Skill blobs are fetched and checked before the cache changes. The work pauses between
+chunks so a scheduler can interleave other sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from kvagent.errors import ContextOverflowError, KVAgentError
+from kvagent.kv.plan import Run, plan_runs
+from kvagent.kv.sequence import CachedSequence
+from kvagent.kv.steps import Work
+from kvagent.segments import Rendered, common_prefix
+
+if TYPE_CHECKING:
+    from kvagent.skills.fidelity import FidelityGuard
+    from kvagent.skills.library import CompiledSkill, SkillLibrary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    """What one sync cost: tokens reused from cache, tokens computed, wall time."""
+
+    reused: int
+    computed: int
+    seconds: float
+    shared: int = 0  # of the reused tokens, how many came from another session's cells
+    transplanted: int = 0  # tokens whose KV was copied from a compiled skill (not computed)
+    fidelity: float | None = None  # cosine vs a recompute, when the fidelity guard checked this sync
+    fell_back: bool = False  # the guard found the transplant too far off and adopted the recompute
+
+
+def check_fits(n_tokens: int, n_ctx: int, can_evict: bool) -> None:
+    """Refuse a prompt that cannot fit (before any change), naming the fixes."""
+    if n_tokens > n_ctx and not can_evict:
+        raise ContextOverflowError(
+            f"prompt of {n_tokens} tokens does not fit the context of {n_ctx}: shorten it, load the "
+            "engine with a larger n_ctx, or open the session with an eviction policy "
+            "(engine.session(..., eviction=Eviction('surprise', budget=...))); nothing was cut or changed"
+        )
+
+
+def sync(
+    state: CachedSequence,
+    rendered: Rendered,
+    *,
+    skills: SkillLibrary | None,
+    renderer_sink: Callable[[], list[int]] | None = None,
+    share_prefix: bool = True,
+    fidelity: FidelityGuard | None = None,
+) -> Work[PrefillReport]:
+    """Bring ``state`` to hold ``rendered.tokens`` with next-token logits (see the module docstring).
+
+    ``skills`` is the engine's skill library (None: decode every skill span); ``renderer_sink()`` the sink
+    tokens skills of this rendering are compiled behind (for looking compiled skills up in the store).
+    """
+    start = time.perf_counter()
+    backend, pool = state.backend, state.pool
+    new = rendered.tokens
+    check_fits(len(new), backend.n_ctx, state.evictor is not None)
+    keep = common_prefix(state.tokens, new)
+    if keep == len(new) == len(state.tokens) and state.logits is not None:
+        return PrefillReport(reused=keep, computed=0, seconds=time.perf_counter() - start)
+    keep = min(keep, len(new) - 1)  # the last token is always decoded: its logits are needed
+    if keep < state.floor:  # SWA cells below the floor are missing: extending from there is not exact
+        keep = 0
+    shared_seq, shared = pool.index.match(new, exclude=state.seq) if share_prefix else (-1, 0)
+    shared = min(shared, len(new) - 1)
+    start_at = max(keep, shared)
+    runs = _plan(state, rendered, start_at, skills, renderer_sink)  # blobs checked before any change
+    state.cut(keep)
+    gained = 0
+    if shared > keep:  # share the other session's cells for the positions we lack
+        state.share_from(shared_seq, shared)
+        state.tokens = new[:shared]
+        gained, keep = shared - keep, shared
+    computed = transplanted = 0
+    logits = None
+    library = skills
+    try:
+        for run in runs:
+            if run.skill is not None and library is not None:
+                fresh, copied = library.transplant(state.seq, run.skill, run.first)
+                computed, transplanted = computed + fresh, transplanted + copied
+                n_swa = backend.n_swa
+                if n_swa and copied + run.skill.n_sink > n_swa:  # its middle SWA cells did not travel
+                    state.floor = max(state.floor, run.end)
+                state.tokens = new[: run.end]
+                state.maybe_cycle(rendered)
+            else:
+                logits = yield from state.decode_run(new, run.first, run.end, rendered)
+                computed += run.length
+        if runs[-1].skill is not None:  # the prompt ends inside a skill: decode its last token again
+            backend.seq_rm(state.seq, len(new) - 1, -1)
+            logits = backend.decode([new[-1]], [len(new) - 1], [state.seq], [True])
+            transplanted, computed = transplanted - 1, computed + 1
+    except KVAgentError:
+        state.resync_from_backend(new)  # some chunks may have landed: record exactly what is there
+        raise
+    if logits is None or len(logits) == 0:  # pragma: no cover - every plan ends with a decode
+        raise KVAgentError("sync produced no logits (internal error)")
+    state.tokens, state.logits = new, logits[-1]
+    fidelity_cos, fell_back = None, False
+    if transplanted and fidelity is not None and fidelity.sampled():
+        fidelity_cos, fell_back = _guard(state, fidelity, new, start_at)
+    state.publish()
+    log.debug("seq %d sync: reused %d (shared %d), computed %d, transplanted %d", state.seq, keep, gained, computed, transplanted)
+    return PrefillReport(keep, computed, time.perf_counter() - start, gained, transplanted, fidelity_cos, fell_back)
+
+
+def _plan(
+    state: CachedSequence, rendered: Rendered, start: int, library: SkillLibrary | None,
+    renderer_sink: Callable[[], list[int]] | None,
+) -> list[Run[CompiledSkill]]:
+    """The runs from ``start``; a transplant needs a shiftable cache and a free scratch sequence."""
+    lookup = None
+    if library is not None and state.backend.capabilities.shift:
+        sink = renderer_sink() if renderer_sink is not None else None
+
+        def lookup(tokens: tuple[int, ...]) -> CompiledSkill | None:
+            skill = library.lookup(tokens, sink)
+            if skill is not None:
+                library.fetch(skill)  # checked here: a refused blob fails before the cache changes
+            return skill
+
+    runs = plan_runs(rendered, start, lookup)
+    if any(run.skill is not None for run in runs) and not state.pool.free:
+        raise KVAgentError(
+            "a transplant needs a free scratch sequence and all are in use: close a session or load the "
+            "engine with a larger n_seq_max (nothing was changed)"
+        )
+    return runs
+
+
+def _guard(state: CachedSequence, guard: FidelityGuard, tokens: tuple[int, ...], start: int) -> tuple[float, bool]:
+    """Compare with a full prefill in a scratch sequence; below threshold, adopt its cells."""
+    backend = state.backend
+    with state.pool.scratch() as scratch:
+        n = len(tokens)
+        reference = backend.decode(tokens, range(n), [scratch] * n, [False] * (n - 1) + [True])[0]
+        cos = guard.cosine(state.logits if state.logits is not None else reference, reference)
+        if cos >= guard.threshold:
+            return cos, False
+        log.warning("transplant fidelity %.4f < %.4f on sequence %d: using the recomputed KV", cos, guard.threshold, state.seq)
+        backend.seq_rm(state.seq, start, -1)
+        state.pool.cut(state.seq, start)
+        state.pool.share(scratch, state.seq, start, n)
+        state.logits = reference
+        return cos, True

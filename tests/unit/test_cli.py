@@ -1,0 +1,40 @@
+"""The CLI package: every command group and command is registered under its name (no model loaded)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kvagent.cli import app
+
+# (arguments, names the help must list)
+HELP = [
+    (["--help"], ["demo", "models", "bench", "edits", "native", "skills", "reference", "probe", "--verbose"]),
+    (["bench", "--help"], ["edit", "compose", "backend", "capture", "evict"]),
+    (["bench", "edit", "--help"], ["--model", "--quick", "--cases", "--json"]),
+    (["edits", "--help"], ["calibrate"]),
+    (["edits", "calibrate", "--help"], ["--model", "--patch-cases", "--eval-cases"]),
+    (["native", "--help"], ["build"]),
+    (["skills", "--help"], ["compile", "list"]),
+    (["reference", "--help"], ["check"]),
+    (["reference", "check", "--help"], ["--f32", "--json", "--prompts", "--length"]),
+    (["probe", "--help"], ["notes"]),
+    (["probe", "notes", "--help"], ["--template", "--cases", "--save-calibration", "--threads"]),
+]
+
+
+@pytest.mark.parametrize(("args", "names"), HELP, ids=[" ".join(args) for args, _ in HELP])
+def test_help_lists(args: list[str], names: list[str]) -> None:
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
+    assert result.exit_code == 0, result.output
+    missing = [n for n in names if n not in result.output]
+    assert not missing, result.output
+
+
+def test_importing_the_cli_does_not_import_the_benchmarks() -> None:
+    code = "import sys, kvagent.cli; print(sorted(m for m in sys.modules if m.startswith('kvagent.bench')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
