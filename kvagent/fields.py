@@ -6,12 +6,12 @@ validates the new value against the spec before any KV changes.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvagent.errors import FieldValueError
-from kvagent.segments import DEFAULT_FIELD_TEMPLATE, Segment
+from kvagent.segments import DEFAULT_FIELD_TEMPLATE, Segment, SegmentKind
 
 _TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
 
@@ -55,3 +55,20 @@ class FieldSpec(BaseModel):
         """The FIELD segment that renders this field with ``value`` (default: the initial value)."""
         value = self.initial if value is None else self.check(value)
         return Segment.field(self.name, value, template=self.template, id=id or f"field-{self.name}")
+
+
+def check_changes(
+    segments: Sequence[Segment], specs: Mapping[str, FieldSpec], changes: Mapping[str, object]
+) -> dict[str, object]:
+    """``changes`` with each value checked against its spec; refused (with the fields there are) when a
+    name is not a field of ``segments`` or no change is given."""
+    declared = {str(seg.name) for seg in segments if seg.kind is SegmentKind.FIELD}
+    if not changes:
+        raise FieldValueError("no field to set: pass at least one name and value")
+    checked: dict[str, object] = {}
+    for name, value in changes.items():
+        if name not in declared:
+            raise FieldValueError(f"unknown field {name!r}: this session's fields are {', '.join(sorted(declared)) or 'none'}")
+        spec = specs.get(name)
+        checked[name] = spec.check(value) if spec is not None else value
+    return checked

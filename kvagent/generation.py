@@ -21,11 +21,12 @@ from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.kv.steps import PAUSE, DecodeStep, Work
 from kvagent.kv.sync import PrefillReport
 from kvagent.sampling import Sampler
-from kvagent.segments import Rendered, Renderer, Segment, SegmentKind
+from kvagent.segments import Rendered, Renderer, Segment, SegmentKind, common_prefix
 from kvagent.textstream import TextAssembler
 
 if TYPE_CHECKING:
     from kvagent.kv.sequence import CachedSequence
+    from kvagent.scheduler import Job, Scheduler
 
 # how many text pieces a generation may run ahead of its consumer before it waits for it
 AHEAD = 64
@@ -75,18 +76,21 @@ class Decoder:
 
     ``extra`` segments (e.g. the user turn) are appended before the reply and prefilled in the same pass,
     so TTFT covers them; ``prefix`` starts the reply with given text (the model continues it).
-    ``on_piece`` receives each piece of final text as soon as it is known.
+    ``on_piece`` receives each piece of final text as soon as it is known. ``base``, when given, replaces
+    the whole prompt first (in the same pass: TTFT covers it), for clients that resend the history.
     """
 
     def __init__(
         self, host: TurnHost, max_tokens: int, sampler: Sampler, stop: Sequence[str], extra: Sequence[Segment],
-        prefix: str = "", on_piece: Callable[[str], None] = lambda piece: None,
+        prefix: str = "", on_piece: Callable[[str], None] = lambda piece: None, *,
+        base: Sequence[Segment] | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.host = host
         self.max_tokens, self.sampler, self.prefix = max_tokens, sampler, prefix
         self.extra = list(extra)
+        self.base = list(base) if base is not None else None
         self.on_piece = on_piece
         self._out = TextAssembler(list(stop))
         self.ids: list[int] = []
@@ -97,7 +101,7 @@ class Decoder:
         self._original: list[Segment] = []
         self._rendered: Rendered | None = None
         self._report = PrefillReport(0, 0, 0.0)
-        self._call_start = 0
+        self._before: list[Segment] = []
         self._logits: np.ndarray | None = None
         self._reserve = 0
 
@@ -109,11 +113,11 @@ class Decoder:
         """Sync the prompt (with the extra segments and the open reply) and keep its next-token logits."""
         host = self.host
         self._original = list(host.segments)
+        self._before = [*(self.base if self.base is not None else self._original), *self.extra]
         pending = Segment(SegmentKind.TURN, self.prefix, role="assistant", complete=False)
-        rendered = host.renderer.render([*self._original, *self.extra, pending])
+        rendered = host.renderer.render([*self._before, pending])  # validates before anything changes
         self._rendered = rendered
         self._report = yield from host.sync_work(rendered)
-        self._call_start = rendered.spans[len(self._original)].first  # where this call's segments begin
         self._reserve = 1 + host.renderer.closing_length("assistant")  # a finished turn always fits
         self._logits = host.state.logits
 
@@ -139,7 +143,6 @@ class Decoder:
             return None
         state = self.host.state
         if state.cells + self._reserve > state.backend.n_ctx:
-            self.abort()
             raise ContextOverflowError(
                 f"the context of {state.backend.n_ctx} tokens filled up after {len(self.ids)} generated tokens: the "
                 "turn was rolled back; start a new session or load the engine with a larger n_ctx",
@@ -172,25 +175,29 @@ class Decoder:
             body_ids = (*self._prefix_ids(), *self.ids)
             host.remember_turn(self.prefix + text, body_ids)
         turn = Segment.assistant(self.prefix + text, token_ids=body_ids)
-        yield from host.replace_work([*self._original, *self.extra, turn])
+        yield from host.replace_work([*self._before, turn])
         r = self._report
         return Generation(text, tuple(self.ids), self.finish_reason, r.reused, r.computed, self.ttft,
                           time.perf_counter() - self._start, r.transplanted, self.prefix)
 
     def abort(self) -> None:
-        """Roll the turn back: the prompt and cache are what they were before the call (the reused
-        prefix stays cached)."""
-        state = self.host.state
-        if len(state.tokens) > self._call_start:
-            state.cut(self._call_start)
-        self.host.restore_segments(self._original)
+        """Roll the call back: the prompt is what it was before it, and the cache holds no token beyond the
+        part of it that still agrees with that prompt."""
+        host = self.host
+        if self._rendered is None and not self._original:  # prepare never ran: nothing changed
+            return
+        original = host.renderer.render(self._original).tokens if self._original else ()
+        # always cut: a step decoded but not yet accepted (cancelled in between) left a cell past the tokens
+        host.state.cut(common_prefix(host.state.tokens, original))
+        host.restore_segments(self._original)
 
     def _prefix_ids(self) -> tuple[int, ...]:
-        if not self.prefix or self._rendered is None:
+        """The prefix's body tokens as rendered in the open reply (without its opening tag)."""
+        if not self.prefix:
             return ()
-        span = self._rendered.spans[-1]
-        opening = len(self.host.renderer.segment_tokens(Segment.reply()))
-        return self._rendered.tokens[span.first + opening : span.last + 1]
+        renderer = self.host.renderer
+        opening = len(renderer.segment_tokens(Segment.reply()))
+        return renderer.segment_tokens(Segment(SegmentKind.TURN, self.prefix, role="assistant", complete=False))[opening:]
 
 
 def generation_work(decoder: Decoder, *, drain: bool = False) -> Work[Generation]:
@@ -199,10 +206,9 @@ def generation_work(decoder: Decoder, *, drain: bool = False) -> Work[Generation
     ``drain``: pause once before committing, so a scheduler can hold the commit until the reader has
     taken every piece (a stream closed before its end is then rolled back, however fast it ran).
     """
-    prepared = False
+    committed = False
     try:
         yield from decoder.prepare()
-        prepared = True
         while (step := decoder.step()) is not None:
             if decoder.batchable:
                 logits = yield step
@@ -212,12 +218,11 @@ def generation_work(decoder: Decoder, *, drain: bool = False) -> Work[Generation
                 yield PAUSE
         if drain:
             yield PAUSE
+        committed = True
         return (yield from decoder.finish())
     except BaseException:
-        if prepared and not decoder.done:
+        if not committed:
             decoder.abort()
-        elif not prepared:
-            decoder.host.restore_segments(decoder._original or list(decoder.host.segments))
         raise
 
 
@@ -239,8 +244,12 @@ class GenerationStream:
         self._finished = False
         self._closed = False
         self.consumer: int | None = None  # thread id of the last reader
-        self.on_read: Callable[[], None] = lambda: None  # wakes the producer (set by the session)
-        self.on_close: Callable[[], None] = lambda: None  # cancels the producer (set by the session)
+        self._scheduler: Scheduler | None = None
+        self._job: Job | None = None
+
+    def attach(self, scheduler: Scheduler, job: Job) -> None:
+        """The job that produces this stream's pieces, and the scheduler that runs it."""
+        self._scheduler, self._job = scheduler, job
 
     # -- producer side (the scheduler's thread) -----------------------------------------------------
     def push(self, piece: str) -> None:
@@ -277,7 +286,7 @@ class GenerationStream:
                 self._cond.wait(0.5)
             item = self._pieces[self._taken]
             self._taken += 1
-        self.on_read()
+        self._wake()
         if item is self._END:
             self._closed = True
             if self._error is not None:
@@ -285,12 +294,17 @@ class GenerationStream:
             raise StopIteration
         return item  # type: ignore[return-value]
 
-    def close(self) -> None:
-        """Stop early: the generation is cancelled at its next token and its turn rolled back."""
+    def _wake(self) -> None:
+        if self._scheduler is not None and self.backlog < AHEAD // 2 + 1:
+            self._scheduler.wake()  # the producer may be waiting for the reader
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop early: the generation is cancelled at its next token and its turn rolled back (``wait``:
+        return once that is done)."""
         if not self._closed:
             self._closed = True
-            if not self._finished:
-                self.on_close()
+            if not self._finished and self._scheduler is not None and self._job is not None:
+                self._scheduler.cancel(self._job, wait=wait)
             with self._cond:
                 self._cond.notify_all()
 
@@ -302,6 +316,6 @@ class GenerationStream:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self.close(wait=False)
         except Exception:  # interpreter shutdown
             pass

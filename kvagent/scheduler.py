@@ -55,7 +55,14 @@ class Job:
         self.pending: DecodeStep | None = None  # waiting for the shared batch
         self.value: Any = None  # what to send at the next advance
         self.error: BaseException | None = None  # what to throw at the next advance (a failed batch)
-        self.done_callbacks: list[Callable[[Any, BaseException | None], None]] = []  # (result, error)
+
+
+def on_done(job: Job, callback: Callable[[Any, BaseException | None], None]) -> None:
+    """Call ``callback(result, error)`` when ``job`` ends (at once if it has; from the worker otherwise)."""
+    def settle(future: concurrent.futures.Future[Any]) -> None:
+        error = future.exception()
+        callback(None if error is not None else future.result(), error)
+    job.future.add_done_callback(settle)
 
 
 class Scheduler:
@@ -217,11 +224,6 @@ class Scheduler:
             if queue is not None and not queue:
                 del self._queues[job.owner]
             self._cond.notify_all()
-        for callback in job.done_callbacks:
-            try:
-                callback(result, error)
-            except Exception:  # a consumer's callback must not kill the worker
-                log.exception("a job's done callback failed")
         if error is not None:
             job.future.set_exception(error)
         else:

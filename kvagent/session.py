@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from kvagent.edits import EditReport, EditStrategy, get_strategy
-from kvagent.errors import FieldValueError, KVAgentError, SessionClosedError
+from kvagent.errors import KVAgentError, SessionClosedError
+from kvagent.fields import check_changes
 from kvagent.generation import AHEAD, Decoder, Generation, GenerationStream, generation_work
+from kvagent.kv.persist import restore_blob, save_blob
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.splice import Refresh, splice_field, splice_refusal
 from kvagent.kv.steps import Work
 from kvagent.kv.sync import PrefillReport, check_fits, sync
-from kvagent.kvblob import KVBlob
 from kvagent.sampling import Sampler, SamplingParams
-from kvagent.scheduler import Job, Scheduler
-from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix
+from kvagent.scheduler import Job, Scheduler, on_done
+from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span
 
 if TYPE_CHECKING:
     from kvagent.eviction import CycleReport
@@ -62,7 +64,7 @@ class Session:
         self._specs = {spec.name: spec for spec in fields}
         self._strategy = get_strategy(edit_strategy)
         self._compact_after, self._share_prefix, self._fidelity = compact_after, share_prefix, fidelity
-        self._stream: tuple[Job, GenerationStream] | None = None
+        self._stream: tuple[Job, weakref.ref[GenerationStream]] | None = None
 
     # -- state ------------------------------------------------------------------------------------
     seq = property(lambda self: self.state.seq, doc="The backend sequence id this session's KV lives in.")
@@ -105,8 +107,9 @@ class Session:
     # -- running work on the scheduler -------------------------------------------------------------
     def _run(self, work: Work[Any]) -> Any:
         if self._stream is not None and not self._scheduler.on_worker:
-            job, stream = self._stream
-            if stream.live and stream.consumer in (None, threading.get_ident()) and self._scheduler.active(self) is job:
+            job, ref = self._stream
+            stream = ref()
+            if stream is not None and stream.live and stream.consumer == threading.get_ident() and self._scheduler.active(self) is job:
                 work.close()
                 raise KVAgentError("this thread is reading a stream of this session: read it to the end or close() "
                                    "it before calling the session again")
@@ -145,18 +148,21 @@ class Session:
                 return replace(seg, token_ids=ids)
         return seg
 
-    def _prefill_work(self) -> Work[PrefillReport]:
+    def prefill_work(self) -> Work[PrefillReport]:
         self._check_open()
         return (yield from self.sync_work(self.rendered))
 
     # -- prompt -----------------------------------------------------------------------------------
     def prefill(self) -> PrefillReport:
         """Bring the cache in line with the current segments (reusing the cached prefix)."""
-        return self._run(self._prefill_work())  # type: ignore[no-any-return]
+        return self._run(self.prefill_work())  # type: ignore[no-any-return]
 
     def extend(self, *segments: Segment) -> PrefillReport:
         """Append segments and prefill them; refused (nothing changed) if the order is invalid or too long."""
-        return self.replace([*self._segments, *segments])
+        return self._run(self.extend_work(segments))  # type: ignore[no-any-return]
+
+    def extend_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]:
+        return (yield from self.replace_work([*self._segments, *segments]))  # the prompt as it is when this runs
 
     def replace(self, segments: Sequence[Segment]) -> PrefillReport:
         """Make ``segments`` the whole prompt; the longest cached prefix is reused, the rest computed."""
@@ -183,7 +189,7 @@ class Session:
         """Change several fields at once. Every name and value is checked before any KV changes."""
         def work() -> Work[EditReport]:
             self._check_open()
-            checked = self._check_changes(changes)
+            checked = check_changes(self._segments, self._specs, changes)
             report = (self._strategy if strategy is None else get_strategy(strategy)).apply(self, checked)
             n_errata = sum(seg.kind is SegmentKind.ERRATUM for seg in self._segments)
             if self._compact_after is not None and n_errata > self._compact_after:
@@ -192,25 +198,15 @@ class Session:
             yield  # pragma: no cover - a unit of work; the strategy's own calls run inline
         return self._run(work())  # type: ignore[no-any-return]
 
-    def _check_changes(self, changes: Mapping[str, object]) -> dict[str, object]:
-        declared = {str(seg.name) for seg in self._segments if seg.kind is SegmentKind.FIELD}
-        if not changes:
-            raise FieldValueError("no field to set: pass at least one name and value")
-        checked: dict[str, object] = {}
-        for name, value in changes.items():
-            if name not in declared:
-                raise FieldValueError(f"unknown field {name!r}: this session's fields are {', '.join(sorted(declared)) or 'none'}")
-            spec = self._specs.get(name)
-            checked[name] = spec.check(value) if spec is not None else value
-        return checked
-
     def compact(self) -> PrefillReport:
         """Fold every erratum back into its field; only the KV after the first changed field is recomputed."""
-        values = self.field_values
-        return self.replace([
-            seg.with_value(values[str(seg.name)]) if seg.kind is SegmentKind.FIELD else seg
-            for seg in self._segments if seg.kind is not SegmentKind.ERRATUM
-        ])
+        def work() -> Work[PrefillReport]:
+            values = self.field_values
+            return (yield from self.replace_work([
+                seg.with_value(values[str(seg.name)]) if seg.kind is SegmentKind.FIELD else seg
+                for seg in self._segments if seg.kind is not SegmentKind.ERRATUM
+            ]))
+        return self._run(work())  # type: ignore[no-any-return]
 
     def splice_field(self, name: str, value: object, refresh: Refresh | None = None) -> PrefillReport:
         """Rewrite one field's KV in place, keeping the downstream KV stale except ``refresh`` positions
@@ -242,12 +238,13 @@ class Session:
     def decoder(
         self, max_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: Sequence[str] = (), user: str | None = None, prefix: str = "",
-        on_piece: Callable[[str], None] = lambda piece: None,
+        segments: Sequence[Segment] | None = None, on_piece: Callable[[str], None] = lambda piece: None,
     ) -> Decoder:
         """A :class:`~kvagent.generation.Decoder` for the next turn (what :meth:`stream` runs)."""
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         extra = [Segment.user(user)] if user is not None else []
-        return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece)
+        base = [self._with_generated_ids(s) for s in segments] if segments is not None else None
+        return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece, base=base)
 
     def stream(self, max_tokens: int = 128, **options: Any) -> GenerationStream:
         """Generate the next assistant turn as an iterator of text pieces.
@@ -256,19 +253,37 @@ class Session:
         the model's end-of-turn token, at a stop string (not included in the text), or after
         ``max_tokens``. ``user``, if given, is a user turn appended first (prefilled in the same pass, so
         TTFT covers it); ``prefix`` starts the answer with that text (the model continues it; the cached
-        turn holds both). The finished turn becomes an assistant segment whose KV stays cached. Closing
-        the stream early rolls the turn back; if the context fills up first, the turn is rolled back and
+        turn holds both); ``segments`` replaces the whole prompt first (clients that resend the history).
+        The finished turn becomes an assistant segment whose KV stays cached. Closing the stream early
+        rolls the turn back; if the context fills up first, the turn is rolled back and
         :class:`ContextOverflowError` carries the partial text. Generation starts at once, in the
         engine's worker, up to a bounded number of pieces ahead of the reader.
         """
+        return self.open_stream(GenerationStream(), max_tokens, **options)
+
+    def open_stream(self, stream: GenerationStream, max_tokens: int = 128, **options: Any) -> GenerationStream:
+        """Start a generation that feeds ``stream`` (a sync or an async stream; see :meth:`stream`)."""
         self._check_open()
-        stream = GenerationStream()
-        decoder = self.decoder(max_tokens, on_piece=stream.push, **options)
-        ready = lambda: stream.backlog < AHEAD if not decoder.done else stream.backlog == 0  # noqa: E731
+        ref = weakref.ref(stream)  # only the reader holds the stream: dropping it cancels the generation
+
+        def push(piece: str) -> None:
+            if (live := ref()) is not None:
+                live.push(piece)
+
+        def ready() -> bool:  # bounded run-ahead; the turn is committed once the reader took every piece
+            live = ref()
+            return live is None or (live.backlog < AHEAD if not decoder.done else live.backlog == 0)
+
+        def end(result: Generation | None, error: BaseException | None) -> None:
+            if (live := ref()) is not None:
+                live.end(result, error)
+
+        decoder = self.decoder(max_tokens, on_piece=push, **options)
+        stream.consumer = threading.get_ident()  # the reader, until another thread reads it
         job = self._scheduler.submit(self, generation_work(decoder, drain=True), ready)
-        job.done_callbacks.append(stream.end)
-        stream.on_read, stream.on_close = self._scheduler.wake, lambda: self._scheduler.cancel(job, wait=True)
-        self._stream = (job, stream)
+        stream.attach(self._scheduler, job)
+        on_done(job, end)
+        self._stream = (job, ref)
         return stream
 
     def chat(self, user_text: str, max_tokens: int = 128, **sampling: object) -> Generation:
@@ -279,42 +294,24 @@ class Session:
     def logits(self) -> np.ndarray:
         """Next-token logits ``[n_vocab]`` after the cached prompt (prefills first if needed)."""
         def work() -> Work[np.ndarray]:
-            yield from self._prefill_work()
+            yield from self.prefill_work()
             return self.state.logits.copy()  # type: ignore[union-attr]
         return self._run(work())  # type: ignore[no-any-return]
 
     def save(self) -> bytes:
         """This session's KV and prompt as a checked blob (see ``kvblob.KVBlob``)."""
         def work() -> Work[bytes]:
-            yield from self._prefill_work()
-            state = self.state
-            if state.evicted:
-                raise KVAgentError(
-                    f"this session evicted {len(state.evicted)} positions; saving a cache with holes is not supported: "
-                    "save before the first eviction cycle, or save the segments and prefill them again")
-            logits = state.logits.astype(np.float32).tobytes()  # type: ignore[union-attr]
-            return KVBlob(self.model_fingerprint, state.backend.format, state.tokens, state.save(), logits).to_bytes()
+            yield from self.prefill_work()
+            return save_blob(self.state, self.model_fingerprint)
         return self._run(work())  # type: ignore[no-any-return]
 
     def restore(self, blob: bytes, segments: Sequence[Segment]) -> None:
         """Load KV saved by :meth:`save` for the prompt ``segments`` (which must render to its tokens).
-
-        Checks come first (model, format, checksum, tokens); a refused blob leaves the session as it was.
-        """
+        Checks come first (model, format, checksum, tokens); a refused blob leaves the session as it was."""
         def work() -> Work[None]:
             self._check_open()
-            backend = self.state.backend
-            parsed = KVBlob.from_bytes(blob, model_fingerprint=self.model_fingerprint, backend_format=backend.format)
             rendered = self.renderer.render(list(segments))
-            if rendered.tokens != parsed.tokens:
-                n = common_prefix(rendered.tokens, parsed.tokens)
-                raise KVAgentError(
-                    f"the blob holds {len(parsed.tokens)} tokens that differ from the given segments' "
-                    f"{len(rendered.tokens)} from position {n}: pass the segments the blob was saved with")
-            logits = np.frombuffer(parsed.logits, dtype=np.float32).copy() if parsed.logits else None
-            if logits is not None and logits.shape != (backend.n_vocab,):
-                raise KVAgentError(f"the blob's logits have {logits.size} entries, the model {backend.n_vocab}")
-            self.state.restore(parsed.payload, parsed.tokens, logits)
+            restore_blob(self.state, blob, rendered.tokens, self.model_fingerprint)
             self._segments, self._rendered = list(segments), rendered
             return None
             yield  # pragma: no cover
@@ -326,8 +323,9 @@ class Session:
         later calls raise :class:`SessionClosedError`."""
         if self._closed:
             return
-        if self._stream is not None:
-            self._stream[1].close()
+        stream = self._stream[1]() if self._stream is not None else None
+        if stream is not None:
+            stream.close()
         def work() -> Work[None]:
             if not self._closed:
                 self._closed = True

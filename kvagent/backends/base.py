@@ -122,7 +122,14 @@ def _llama_cpp(path: Path, config: BackendConfig) -> Backend:
     return LlamaCppBackend(path, config)
 
 
+def _fake(path: Path, config: BackendConfig) -> Backend:
+    from kvagent.backends.fake import FakeBackend  # pure Python, for tests of logic; claims no numbers
+
+    return FakeBackend(n_ctx=config.n_ctx, n_seq_max=config.n_seq_max, n_batch=config.n_batch)
+
+
 register_backend("llama.cpp", _llama_cpp)
+register_backend("fake", _fake)
 
 
 def backend_names() -> list[str]:

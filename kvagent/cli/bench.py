@@ -154,3 +154,45 @@ def bench_evict(
         [[r["model"], r["task"], r["policy"], str(r["budget"] if r["task"] != "latency" else r["n"]), fmt(r),
           f"{r['cycle_ms']:.1f}" if r.get("cycle_ms") is not None else "-"] for r in rows],
     )
+
+
+@app.command("concurrency")
+def bench_concurrency(
+    model: str = typer.Option("smollm2-135m", help="The model to load."),
+    quick: bool = typer.Option(False, help="32 tokens per session, 3 TTFT repeats, 1 stall run (under 3 minutes)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
+                                   "bench/results/concurrency.json)."),
+) -> None:
+    """Many sessions at once: decode tokens/s batched vs sequential (1-16 sessions), prefill rate, TTFT
+    idle vs beside a long prefill, event-loop stall."""
+    from kvagent.bench import concurrency
+
+    json_path = json_path or concurrency.DEFAULT_JSON
+    with console.status("concurrency benchmark") as status:
+        rows = concurrency.run(model, quick, json_path, command_line(), progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    concurrency.plot(rows, plot_path)
+    speedup = concurrency.speedups(rows)
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+
+    def notes(r: dict) -> str:
+        if r["task"] == "decode":
+            extra = f"batch {r['mean_batch']:.1f}, same tokens {r['same_tokens']:.0%}, eos early {r['eos_early']}"
+            if r["mode"] == "batched":
+                extra = f"{speedup[(r['model'], r['sessions'])]:.2f}x sequential, {extra}"
+            return extra
+        if r["task"] == "prefill":
+            return f"{r['prompt_tokens']} tokens"
+        if r["task"] == "ttft" and r["mode"] == "loaded":
+            return f"beside a {r['long_prefill_tokens']}-token prefill, overlapped {r['overlapped']}/{r['reps']}"
+        if r["task"] == "stall":
+            return f"p99 {r['p99_stall_ms']:.1f} ms, {r['ticks']} ticks"
+        return ""
+
+    print_table(
+        f"concurrency ({json_path}, {plot_path})",
+        ("model", "task", "mode", "sessions", "tok/s", "TTFT s", "max stall ms", "chunk", "notes"),
+        [[r["model"], r["task"], r["mode"], str(r["sessions"]), fmt(r["tokens_per_s"], ".1f"),
+          fmt(r["ttft_s"], ".3f"), fmt(r["max_stall_ms"], ".1f"), fmt(r["prefill_chunk"], "d"), notes(r)]
+         for r in rows],
+    )

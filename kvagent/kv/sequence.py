@@ -153,7 +153,12 @@ class CachedSequence:
     def restore(self, payload: bytes, tokens: tuple[int, ...], logits: np.ndarray | None) -> None:
         """Replace the cache by saved bytes holding ``tokens`` (checked by the caller)."""
         self.pool.cut(self.seq, 0)
-        self.backend.seq_restore(self.seq, payload)
+        try:
+            self.backend.seq_restore(self.seq, payload)
+        except Exception:  # llama.cpp empties the sequence before it refuses: record that
+            self.tokens, self.logits, self.evicted, self.stale, self.floor = (), None, frozenset(), frozenset(), 0
+            self.publish()
+            raise
         self.tokens, self.logits = tokens, logits
         self.evicted = self.stale = frozenset()
         if self.evictor is not None:

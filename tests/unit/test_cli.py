@@ -13,7 +13,8 @@ from kvagent.cli import app
 # (arguments, names the help must list)
 HELP = [
     (["--help"], ["demo", "models", "bench", "edits", "native", "skills", "reference", "probe", "--verbose"]),
-    (["bench", "--help"], ["edit", "compose", "backend", "capture", "evict"]),
+    (["bench", "--help"], ["edit", "compose", "backend", "capture", "evict", "concurrency"]),
+    (["bench", "concurrency", "--help"], ["--model", "--quick", "--json"]),
     (["bench", "edit", "--help"], ["--model", "--quick", "--cases", "--json"]),
     (["edits", "--help"], ["calibrate"]),
     (["edits", "calibrate", "--help"], ["--model", "--patch-cases", "--eval-cases"]),

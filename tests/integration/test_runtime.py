@@ -1,0 +1,231 @@
+"""The concurrent runtime on the real llama.cpp backend, both models: batched decode against the
+sequential path, isolation of concurrent sessions, cancellation and rollback, skills found in the
+store, answer prefixes, whole-history calls. Timings are measured in ``kvagent bench concurrency``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from kvagent import Engine, KVAgentError, Segment
+from kvagent.aio import AsyncEngine
+from kvagent.generation import Decoder, generation_work
+from kvagent.skills.spec import SkillSpec
+from kvagent.skills.store import SkillStore
+from tests.conftest import cosine
+
+
+@pytest.fixture(scope="module")
+def wide(engine: Engine) -> Iterator[Engine]:
+    """The same model with room for 16 concurrent sessions."""
+    with Engine.load(engine.settings.model, n_ctx=4096, n_seq_max=18) as eng:
+        yield eng
+
+
+def cold_logits(engine: Engine, segments: list[Segment]) -> np.ndarray:
+    with engine.session(segments, share_prefix=False) as s:
+        return s.logits()
+
+
+class Forced:
+    """A sampler that emits given tokens in order and records the logits it was shown (teacher forcing)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.seen = list(tokens), []  # type: list[int], list[np.ndarray]
+
+    def __call__(self, logits: np.ndarray) -> int:
+        self.seen.append(logits.copy())
+        return self.tokens[len(self.seen) - 1]
+
+
+PROMPTS = [f"Write one sentence about the number {n} and a {animal}." for n, animal in
+           zip(range(8), ["cat", "dog", "fox", "owl", "bee", "cow", "eel", "yak"])]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
+def test_batched_decode_matches_the_sequential_path(model: str) -> None:
+    """8 sessions teacher-forced on the same tokens: batched logits vs each session decoding alone.
+
+    On the float32 copy of the weights: with the shipped Q4 weights llama.cpp quantizes activations, and
+    the same tokens decoded into other KV cells already move logits (SmolLM2: min cosine 0.9957 decoding
+    each session alone but interleaved, 0.992 batched, against 1.0 for two identical runs), which would
+    hide a real batching error behind kernel noise.
+    """
+    pytest.importorskip("gguf")
+    from kvagent.models import resolve_model
+    from kvagent.reference.export import export_f32
+
+    steps = 12
+    with Engine.load(str(export_f32(resolve_model(model))), n_ctx=4096, n_seq_max=18) as engine:
+        forced: list[list[int]] = []
+        for p in PROMPTS:  # the tokens to force: each prompt's own greedy continuation (never an end token)
+            with engine.session([Segment.user(p)], share_prefix=False) as s:
+                ids = list(s.generate(steps).token_ids)
+            forced.append((ids + [engine.backend.tokenize(" yes", special=False)[0]] * steps)[:steps])
+
+        def run(batched: bool) -> list[list[np.ndarray]]:
+            sessions = [engine.session([Segment.user(p)], share_prefix=False) for p in PROMPTS]
+            samplers = [Forced(f) for f in forced]
+            try:
+                decoders = [Decoder(s, steps, sm, (), ()) for s, sm in zip(sessions, samplers)]
+                if batched:
+                    jobs = [engine.scheduler.submit(s, generation_work(d)) for s, d in zip(sessions, decoders)]
+                    for job in jobs:
+                        job.future.result()
+                else:
+                    for s, d in zip(sessions, decoders):
+                        engine.scheduler.run(s, generation_work(d))
+            finally:
+                for s in sessions:
+                    s.close()
+            return [sm.seen for sm in samplers]
+
+        sequential = run(False)
+        rounds, batched_before = engine.scheduler.rounds, engine.scheduler.batched_tokens
+        batched = run(True)
+        # the batched run really batched: about one round per step for all 8 sessions
+        assert engine.scheduler.batched_tokens - batched_before >= len(PROMPTS) * (steps - 1)
+        assert engine.scheduler.rounds - rounds < 4 * steps
+    assert all(len(s) == steps for s in batched)
+    worst = min(cosine(a, b) for seq_s, bat_s in zip(sequential, batched) for a, b in zip(seq_s, bat_s))
+    assert worst >= 0.999, f"batched logits drift from the sequential path: min cosine {worst:.5f}"
+
+
+def test_concurrent_sessions_never_see_each_other(wide: Engine) -> None:
+    """16 sessions with distinct secret values, chatting concurrently from threads."""
+    rng = random.Random(7)
+    secrets = [str(rng.randrange(1000, 9999)) for _ in range(16)]
+    eng = wide
+    if True:
+        sessions = [eng.session([Segment.policy("You guard one secret code. Reply with the code only."),
+                                 Segment.field("secret_code", code)]) for code in secrets]
+        replies: list[str] = [""] * 16
+
+        def ask(i: int) -> None:
+            replies[i] = sessions[i].chat("What is the secret code?", max_tokens=8).text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, s in enumerate(sessions):
+            others = [c for j, c in enumerate(secrets) if j != i]
+            assert not any(c in replies[i] for c in others), f"session {i} replied {replies[i]!r}"
+            assert s.field_values == {"secret_code": secrets[i]}
+            assert [sp.segment_id for sp in s.spans] == [seg.id for seg in s.segments]
+            assert s.tokens == s.rendered.tokens
+        finals = [(list(s.segments), s.logits()) for s in sessions]
+        for s in sessions:
+            s.close()
+        for segments, logits in finals:
+            assert cosine(logits, cold_logits(eng, segments)) >= 0.999
+        assert eng.pool.free == 18
+
+
+def test_cancelled_streams_roll_back_and_leak_nothing(engine: Engine) -> None:
+    free = engine.pool.free
+    with engine.session([Segment.policy("You are a counting machine.")]) as s:
+        s.prefill()
+        rest = s.tokens
+        for i in range(200):
+            stream = s.stream(16, user=f"Count from {i} to {i + 40}.")
+            next(stream)
+            stream.close()
+            assert s.tokens == s.rendered.tokens == rest and len(s.segments) == 1
+        reply = s.chat("Say hi.", max_tokens=4)  # the session still works after all that
+        assert reply.generated > 0 and s.tokens == s.rendered.tokens
+    assert engine.pool.free == free
+
+
+def test_async_cancellation_rolls_back(engine: Engine) -> None:
+    async def main() -> None:
+        aeng = AsyncEngine(engine)
+        s = await aeng.session([Segment.policy("You are a counting machine.")])
+        await s.aprefill()
+        rest = s.tokens
+        task = asyncio.create_task(s.achat("Count from 1 to 200, separated by commas.", max_tokens=200))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert s.tokens == s.rendered.tokens == rest and len(s.segments) == 1
+        async with s.astream(64, user="Count from 1 to 50.") as stream:
+            async for _ in stream:
+                break
+        assert s.tokens == s.rendered.tokens == rest
+        reply = await s.achat("Say hi.", max_tokens=4)
+        assert reply.generated > 0
+        segments, logits = list(s.segments), await s.alogits()
+        await s.aclose()
+        assert cosine(logits, cold_logits(engine, segments)) >= 0.999
+
+    free = engine.pool.free
+    asyncio.run(main())
+    assert engine.pool.free == free
+
+
+def test_answer_prefix_is_cached_with_the_turn(engine: Engine) -> None:
+    with engine.session([Segment.user("Is the sky blue? Answer yes or no.")]) as s:
+        g = s.chat("Is grass green? Answer yes or no.", max_tokens=6, prefix="Answer:")
+        assert g.prefix == "Answer:" and not g.text.startswith("Answer:")
+        assert s.segments[-1].text == "Answer:" + g.text and s.tokens == s.rendered.tokens
+        segments, logits = list(s.segments), s.logits()
+    assert cosine(logits, cold_logits(engine, segments)) >= 0.999
+
+
+def test_whole_history_call_reuses_the_cache(engine: Engine) -> None:
+    """A client that resends the whole history (OpenAI style) computes only what is new."""
+    history = [Segment.policy("You are brief."), Segment.user("Name a fruit.")]
+    with engine.session() as s:
+        g1 = engine.scheduler.run(s, generation_work(s.decoder(8, segments=history)))
+        history += [Segment.assistant(g1.text), Segment.user("Another one?")]
+        g2 = engine.scheduler.run(s, generation_work(s.decoder(8, segments=history)))
+        new_turn = len(s.renderer.segment_tokens(history[-1])) + len(s.renderer.segment_tokens(Segment.reply()))
+        assert g2.computed <= new_turn + 1 and g2.reused > 0
+        assert s.tokens == s.rendered.tokens
+
+
+def test_reading_a_stream_and_calling_the_session_in_one_thread_is_refused(engine: Engine) -> None:
+    with engine.session([Segment.user("Count from 1 to 30.")]) as s:
+        stream = s.stream(16)
+        next(stream)
+        with pytest.raises(KVAgentError, match="read it to the end or close"):
+            s.extend(Segment.user("more"))
+        stream.close()
+        s.extend(Segment.user("Thanks."))
+        assert s.tokens == s.rendered.tokens
+
+
+def test_a_skill_compiled_elsewhere_is_transplanted(engine: Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`kvagent skills compile` (or another process) compiled the skill; this engine never called compile."""
+    spec = SkillSpec(name="returns", version="1", kind="rules",
+                     text="Returns are accepted within 30 days with a receipt. Refunds take 5 business days.")
+    store = tmp_path / "skills"
+    with Engine.load(engine.settings.model, n_ctx=1024, n_seq_max=2) as other:  # "another process"
+        other.skills = other.skill_library(SkillStore(store))
+        other.skills.compile(spec, other.renderer(True))
+    saved = engine._skills
+    try:
+        engine.skills = engine.skill_library(SkillStore(store))
+        prompt = [Segment.policy("You are a support agent."), spec.segment(), Segment.user("Can I return shoes?")]
+        with engine.session(prompt, share_prefix=False) as s:
+            report = s.prefill()
+            assert report.transplanted > 0
+        engine.skills = engine.skill_library(SkillStore(tmp_path / "empty"))
+        with caplog.at_level(logging.WARNING, logger="kvagent.skills.library"):
+            for _ in range(2):
+                with engine.session(prompt, share_prefix=False) as s:
+                    assert s.prefill().transplanted == 0
+        warnings = [r.getMessage() for r in caplog.records if "not compiled" in r.getMessage()]
+        assert len(warnings) == 1 and "kvagent skills compile" in warnings[0]
+    finally:
+        if saved is not None:
+            engine.skills = saved
