@@ -57,8 +57,11 @@ class EngineSettings(BaseModel):
     """CPU threads; 0 = all cores."""
     n_gpu_layers: int = 0
     """Layers to offload to a GPU (llama.cpp built with CUDA/Metal); 0 = CPU only, -1 = all."""
-    flash_attn: bool = False
-    """Flash attention; off by default (faster here for short suffixes over a long cache)."""
+    flash_attn: bool | None = None
+    """Flash attention; None = on unless activations are captured (attention probabilities, which the
+    attention-reading eviction policies need, exist only without it). With many sessions in one KV pool
+    every token attends over the whole pool and flash attention skips the other sessions' masked cells:
+    batched decode of 8 sessions ran 1.5x faster with it, a lone session equally fast (BENCHMARKS.md)."""
     swa_full: bool = True
     """Keep full-size caches for sliding-window layers so sequence operations stay exact."""
     capture: Literal["none", "native", "python"] = "none"
@@ -71,7 +74,10 @@ class EngineSettings(BaseModel):
     short requests beside long prefills vs. the long prefill's own speed; see BENCHMARKS.md)."""
 
     def backend_config(self) -> BackendConfig:
-        return BackendConfig(**self.model_dump(exclude={"model", "backend", "prefill_chunk"}))
+        values = self.model_dump(exclude={"model", "backend", "prefill_chunk"})
+        if values["flash_attn"] is None:
+            values["flash_attn"] = self.capture == "none"
+        return BackendConfig(**values)
 
 
 class Engine:

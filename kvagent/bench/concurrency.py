@@ -327,21 +327,22 @@ async def _stall_mixed(
 
 
 async def run_async(
-    model: str, quick: bool, progress: Callable[[str], None] = lambda _: None
+    model: str, quick: bool, progress: Callable[[str], None] = lambda _: None, flash_attn: bool | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every task on one engine; returns (rows, engine settings)."""
+    """Every task on one engine; returns (rows, engine settings). ``flash_attn`` None = the engine default."""
     from kvagent.aio import AsyncEngine
     from kvagent.data import load_prose
 
     plan = Plan.of(quick)
     progress(f"{model}: loading")
-    engine = await AsyncEngine.load(model, **ENGINE_SETTINGS)
+    engine = await AsyncEngine.load(model, **ENGINE_SETTINGS, flash_attn=flash_attn)
     rows: list[dict[str, Any]] = []
     try:
         settings = engine.engine.settings
         chunk = settings.prefill_chunk
+        flash = settings.backend_config().flash_attn
         info = {"n_ctx": settings.n_ctx, "n_seq_max": settings.n_seq_max, "n_threads": settings.n_threads,
-                "prefill_chunk": chunk, "plan": dataclasses.asdict(plan)}
+                "prefill_chunk": chunk, "flash_attn": flash, "plan": dataclasses.asdict(plan)}
         backend = engine.engine.backend
         tokenize = lambda s: backend.tokenize(s, special=False)  # noqa: E731
         books = list(load_prose().values())
@@ -404,12 +405,14 @@ async def run_async(
                         reps=plan.stall_reps))
     finally:
         await engine.aclose()
+    for r in rows:
+        r["flash_attn"] = flash
     return rows, info
 
 
 def run(model: str, quick: bool, json_path: Path, command: str,
-        progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
-    rows, info = asyncio.run(run_async(model, quick, progress))
+        progress: Callable[[str], None] = lambda _: None, flash_attn: bool | None = None) -> list[dict[str, Any]]:
+    rows, info = asyncio.run(run_async(model, quick, progress, flash_attn))
     write_json(json_path, command, rows, engine=info, quick=quick)
     return rows
 

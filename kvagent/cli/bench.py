@@ -162,6 +162,8 @@ def bench_concurrency(
     quick: bool = typer.Option(False, help="32 tokens per session, 3 TTFT repeats, 1 stall run (under 3 minutes)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
                                    "bench/results/concurrency.json)."),
+    flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="Flash attention (default: the "
+                                    "engine's: on without activation capture)."),
 ) -> None:
     """Many sessions at once: decode tokens/s batched vs sequential (1-16 sessions), prefill rate, TTFT
     idle vs beside a long prefill, event-loop stall."""
@@ -169,7 +171,8 @@ def bench_concurrency(
 
     json_path = json_path or concurrency.DEFAULT_JSON
     with console.status("concurrency benchmark") as status:
-        rows = concurrency.run(model, quick, json_path, command_line(), progress=lambda m: status.update(m))
+        rows = concurrency.run(model, quick, json_path, command_line(), progress=lambda m: status.update(m),
+                               flash_attn=flash_attn)
     plot_path = json_path.with_suffix(".png")
     concurrency.plot(rows, plot_path)
     speedup = concurrency.speedups(rows)
