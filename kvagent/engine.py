@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvagent.backends.base import Backend, BackendConfig, backend_names, create_backend
+from kvagent.backends.base import Backend, BackendConfig
+from kvagent.backends.registry import backend_names, create_backend
 from kvagent.chat_format import BUILTIN_FORMATS, ChatFormat
 from kvagent.errors import ChatTemplateError, KVAgentError
 from kvagent.kv.pool import SequencePool
@@ -57,11 +58,11 @@ class EngineSettings(BaseModel):
     """CPU threads; 0 = all cores."""
     n_gpu_layers: int = 0
     """Layers to offload to a GPU (llama.cpp built with CUDA/Metal); 0 = CPU only, -1 = all."""
-    flash_attn: bool | None = None
-    """Flash attention; None = on unless activations are captured (attention probabilities, which the
-    attention-reading eviction policies need, exist only without it). With many sessions in one KV pool
-    every token attends over the whole pool and flash attention skips the other sessions' masked cells:
-    batched decode of 8 sessions ran 1.5x faster with it, a lone session equally fast (BENCHMARKS.md)."""
+    flash_attn: bool = False
+    """Flash attention. Off by default: its CPU kernel moves logits with the prefill chunking (SmolLM2 Q4:
+    cosine 0.9966 between chunks of 64 and one batch; without it 1.0). On with many sessions in one pool:
+    every token attends over the whole pool and flash attention skips other sessions' masked cells, so
+    batched decode runs faster (``kvagent bench concurrency --flash-attn``, BENCHMARKS.md)."""
     swa_full: bool = True
     """Keep full-size caches for sliding-window layers so sequence operations stay exact."""
     capture: Literal["none", "native", "python"] = "none"
@@ -74,10 +75,7 @@ class EngineSettings(BaseModel):
     short requests beside long prefills vs. the long prefill's own speed; see BENCHMARKS.md)."""
 
     def backend_config(self) -> BackendConfig:
-        values = self.model_dump(exclude={"model", "backend", "prefill_chunk"})
-        if values["flash_attn"] is None:
-            values["flash_attn"] = self.capture == "none"
-        return BackendConfig(**values)
+        return BackendConfig(**self.model_dump(exclude={"model", "backend", "prefill_chunk"}))
 
 
 class Engine:

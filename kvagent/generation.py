@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -24,9 +25,10 @@ from kvagent.sampling import Sampler
 from kvagent.segments import Rendered, Renderer, Segment, SegmentKind, common_prefix
 from kvagent.textstream import TextAssembler
 
+from kvagent.scheduler import Job, Scheduler, on_done
+
 if TYPE_CHECKING:
     from kvagent.kv.sequence import CachedSequence
-    from kvagent.scheduler import Job, Scheduler
 
 # how many text pieces a generation may run ahead of its consumer before it waits for it
 AHEAD = 64
@@ -57,6 +59,28 @@ class Generation:
         return len(self.token_ids)
 
 
+class TurnMemory:
+    """Text of assistant turns a session generated -> their exact tokens (bounded), so a client that sends
+    the whole history back (OpenAI / LangChain style) re-renders to the tokens already cached."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._ids: dict[str, tuple[int, ...]] = {}
+        self._limit = limit
+
+    def remember(self, text: str, token_ids: tuple[int, ...]) -> None:
+        if len(self._ids) >= self._limit:
+            self._ids.clear()
+        self._ids[text] = token_ids
+
+    def resolve(self, seg: Segment) -> Segment:
+        """``seg`` with the exact tokens when it is an assistant turn this session generated."""
+        if seg.kind is SegmentKind.TURN and seg.role == "assistant" and seg.token_ids is None:
+            ids = self._ids.get(seg.text)
+            if ids is not None:
+                return replace(seg, token_ids=ids)
+        return seg
+
+
 class TurnHost(Protocol):
     """What a decoder needs from the session it generates for."""
 
@@ -68,7 +92,7 @@ class TurnHost(Protocol):
     def sync_work(self, rendered: Rendered) -> Work[PrefillReport]: ...
     def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]: ...
     def restore_segments(self, segments: Sequence[Segment]) -> None: ...
-    def remember_turn(self, text: str, token_ids: tuple[int, ...]) -> None: ...
+    turns: TurnMemory
 
 
 class Decoder:
@@ -173,7 +197,7 @@ class Decoder:
         body_ids: tuple[int, ...] | None = None
         if self.finish_reason != "stop":  # a stop string cut the text mid-token: its tokens come from the text
             body_ids = (*self._prefix_ids(), *self.ids)
-            host.remember_turn(self.prefix + text, body_ids)
+            host.turns.remember(self.prefix + text, body_ids)
         turn = Segment.assistant(self.prefix + text, token_ids=body_ids)
         yield from host.replace_work([*self._before, turn])
         r = self._report
@@ -319,3 +343,34 @@ class GenerationStream:
             self.close(wait=False)
         except Exception:  # interpreter shutdown
             pass
+
+
+def start_stream(
+    scheduler: Scheduler, owner: object, stream: GenerationStream, make: Callable[[Callable[[str], None]], Decoder]
+) -> Job:
+    """Submit the generation ``make(push)`` builds as ``owner``'s work, feeding ``stream``.
+
+    Only the reader holds the stream (the job sees it through a weak reference), so dropping it cancels
+    the generation. The job runs at most :data:`AHEAD` pieces ahead of the reader and commits the turn once
+    the reader has taken every piece, so a stream closed before its end is always rolled back.
+    """
+    ref = weakref.ref(stream)
+
+    def push(piece: str) -> None:
+        if (live := ref()) is not None:
+            live.push(piece)
+
+    def ready() -> bool:
+        live = ref()
+        return live is None or (live.backlog < AHEAD if not decoder.done else live.backlog == 0)
+
+    def end(result: Generation | None, error: BaseException | None) -> None:
+        if (live := ref()) is not None:
+            live.end(result, error)
+
+    decoder = make(push)
+    stream.consumer = threading.get_ident()  # the reader, until another thread reads it
+    job = scheduler.submit(owner, generation_work(decoder, drain=True), ready)  # type: ignore[arg-type]
+    stream.attach(scheduler, job)
+    on_done(job, end)
+    return job

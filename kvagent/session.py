@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -21,14 +20,14 @@ import numpy as np
 from kvagent.edits import EditReport, EditStrategy, get_strategy
 from kvagent.errors import KVAgentError, SessionClosedError
 from kvagent.fields import check_changes
-from kvagent.generation import AHEAD, Decoder, Generation, GenerationStream, generation_work
+from kvagent.generation import Decoder, Generation, GenerationStream, TurnMemory, generation_work, start_stream
 from kvagent.kv.persist import restore_blob, save_blob
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.splice import Refresh, splice_field, splice_refusal
 from kvagent.kv.steps import Work
-from kvagent.kv.sync import PrefillReport, check_fits, sync
+from kvagent.kv.sync import PrefillReport, sync
 from kvagent.sampling import Sampler, SamplingParams
-from kvagent.scheduler import Job, Scheduler, on_done
+from kvagent.scheduler import Job, Scheduler
 from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span
 
 if TYPE_CHECKING:
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
     from kvagent.skills.spec import SkillSpec
 
 log = logging.getLogger(__name__)
-_MAX_REMEMBERED_TURNS = 256
 
 
 class Session:
@@ -58,9 +56,7 @@ class Session:
         self._segments: list[Segment] = list(segments)
         self._rendered: Rendered | None = None
         self._closed = False
-        # text of turns this session generated -> their exact tokens, so a client that sends the whole
-        # history back (OpenAI / LangChain style) re-renders to the tokens already cached
-        self._generated: dict[str, tuple[int, ...]] = {}
+        self.turns = TurnMemory()
         self._specs = {spec.name: spec for spec in fields}
         self._strategy = get_strategy(edit_strategy)
         self._compact_after, self._share_prefix, self._fidelity = compact_after, share_prefix, fidelity
@@ -127,7 +123,7 @@ class Session:
 
     def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]:
         self._check_open()
-        segments = [self._with_generated_ids(s) for s in segments]
+        segments = [self.turns.resolve(s) for s in segments]
         rendered = self.renderer.render(segments)  # validates before anything changes
         report = yield from self.sync_work(rendered)
         self._segments, self._rendered = segments, rendered
@@ -135,18 +131,6 @@ class Session:
 
     def restore_segments(self, segments: Sequence[Segment]) -> None:
         self._segments, self._rendered = list(segments), None
-
-    def remember_turn(self, text: str, token_ids: tuple[int, ...]) -> None:
-        if len(self._generated) >= _MAX_REMEMBERED_TURNS:
-            self._generated.clear()
-        self._generated[text] = token_ids
-
-    def _with_generated_ids(self, seg: Segment) -> Segment:
-        if seg.kind is SegmentKind.TURN and seg.role == "assistant" and seg.token_ids is None:
-            ids = self._generated.get(seg.text)
-            if ids is not None:
-                return replace(seg, token_ids=ids)
-        return seg
 
     def prefill_work(self) -> Work[PrefillReport]:
         self._check_open()
@@ -217,10 +201,8 @@ class Session:
             old = self.rendered
             yield from self.sync_work(old)
             index = next(i for i, s in enumerate(self._segments) if s.kind is SegmentKind.FIELD and s.name == name)
-            segments = list(self._segments)
-            segments[index] = segments[index].with_value(value)
+            segments = [*self._segments[:index], self._segments[index].with_value(value), *self._segments[index + 1:]]
             new = self.renderer.render(segments)
-            check_fits(len(new.tokens), self.n_ctx, False)
             reason = splice_refusal(self.state, old, new, index)
             if reason is not None:
                 log.info("splice of %r on sequence %d: %s; recomputing from the field", name, self.seq, reason)
@@ -243,47 +225,25 @@ class Session:
         """A :class:`~kvagent.generation.Decoder` for the next turn (what :meth:`stream` runs)."""
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         extra = [Segment.user(user)] if user is not None else []
-        base = [self._with_generated_ids(s) for s in segments] if segments is not None else None
+        base = [self.turns.resolve(s) for s in segments] if segments is not None else None
         return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece, base=base)
 
     def stream(self, max_tokens: int = 128, **options: Any) -> GenerationStream:
-        """Generate the next assistant turn as an iterator of text pieces.
+        """Generate the next assistant turn as an iterator of text pieces (it starts at once, in the worker).
 
-        Greedy when ``temperature == 0``; else temperature / top-k / top-p sampling with ``seed``. Ends at
-        the model's end-of-turn token, at a stop string (not included in the text), or after
-        ``max_tokens``. ``user``, if given, is a user turn appended first (prefilled in the same pass, so
-        TTFT covers it); ``prefix`` starts the answer with that text (the model continues it; the cached
-        turn holds both); ``segments`` replaces the whole prompt first (clients that resend the history).
-        The finished turn becomes an assistant segment whose KV stays cached. Closing the stream early
-        rolls the turn back; if the context fills up first, the turn is rolled back and
-        :class:`ContextOverflowError` carries the partial text. Generation starts at once, in the
-        engine's worker, up to a bounded number of pieces ahead of the reader.
-        """
+        Greedy when ``temperature == 0``, else sampled (``top_p``, ``top_k``, ``seed``); ends at the model's
+        end of turn, a ``stop`` string (not in the text) or ``max_tokens``. ``user``: a user turn appended
+        first; ``prefix``: the answer starts with that text; ``segments``: the whole prompt replaced first
+        (clients that resend the history); all prefilled in the same pass, so TTFT covers them. The turn
+        stays cached. Closing the stream early rolls it back; a full context rolls it back and raises
+        :class:`ContextOverflowError` with the partial text."""
         return self.open_stream(GenerationStream(), max_tokens, **options)
 
     def open_stream(self, stream: GenerationStream, max_tokens: int = 128, **options: Any) -> GenerationStream:
         """Start a generation that feeds ``stream`` (a sync or an async stream; see :meth:`stream`)."""
         self._check_open()
-        ref = weakref.ref(stream)  # only the reader holds the stream: dropping it cancels the generation
-
-        def push(piece: str) -> None:
-            if (live := ref()) is not None:
-                live.push(piece)
-
-        def ready() -> bool:  # bounded run-ahead; the turn is committed once the reader took every piece
-            live = ref()
-            return live is None or (live.backlog < AHEAD if not decoder.done else live.backlog == 0)
-
-        def end(result: Generation | None, error: BaseException | None) -> None:
-            if (live := ref()) is not None:
-                live.end(result, error)
-
-        decoder = self.decoder(max_tokens, on_piece=push, **options)
-        stream.consumer = threading.get_ident()  # the reader, until another thread reads it
-        job = self._scheduler.submit(self, generation_work(decoder, drain=True), ready)
-        stream.attach(self._scheduler, job)
-        on_done(job, end)
-        self._stream = (job, ref)
+        job = start_stream(self._scheduler, self, stream, lambda push: self.decoder(max_tokens, on_piece=push, **options))
+        self._stream = (job, weakref.ref(stream))
         return stream
 
     def chat(self, user_text: str, max_tokens: int = 128, **sampling: object) -> Generation:

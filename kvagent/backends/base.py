@@ -6,18 +6,15 @@ reuse, transplants, eviction leave holes). Shapes: logits are ``[n_outputs, n_vo
 
 Everything kvagent calls on a backend is declared here; what a backend can do beyond plain decoding is
 in its :class:`Capabilities`, so callers ask (``backend.capabilities.shift``) instead of probing.
-Backends are created by name through :func:`create_backend` (``llama.cpp`` is the product backend).
+Backends are created by name through ``kvagent.backends.registry`` (``llama.cpp`` is the product backend).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
-
-from kvagent.errors import KVAgentError
 
 if TYPE_CHECKING:
     from kvagent.native import Capture
@@ -105,43 +102,3 @@ class Backend(Protocol):
     def seq_restore(self, seq: int, data: bytes) -> None: ...
     def clear_memory(self) -> None: ...
     def close(self) -> None: ...
-
-
-BackendFactory = Callable[[Path, BackendConfig], Backend]
-_REGISTRY: dict[str, BackendFactory] = {}
-
-
-def register_backend(name: str, factory: BackendFactory) -> None:
-    """Make ``Engine.load(..., backend=name)`` build backends with ``factory(model_path, config)``."""
-    _REGISTRY[name] = factory
-
-
-def _llama_cpp(path: Path, config: BackendConfig) -> Backend:
-    from kvagent.backends.llama_cpp import LlamaCppBackend  # the one llama_cpp importer, loaded on demand
-
-    return LlamaCppBackend(path, config)
-
-
-def _fake(path: Path, config: BackendConfig) -> Backend:
-    from kvagent.backends.fake import FakeBackend  # pure Python, for tests of logic; claims no numbers
-
-    return FakeBackend(n_ctx=config.n_ctx, n_seq_max=config.n_seq_max, n_batch=config.n_batch)
-
-
-register_backend("llama.cpp", _llama_cpp)
-register_backend("fake", _fake)
-
-
-def backend_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def create_backend(name: str, model_path: Path, config: BackendConfig) -> Backend:
-    """A backend by registered name; unknown names list the registered ones."""
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        raise KVAgentError(f"unknown backend {name!r}: use one of {', '.join(backend_names())}, or pass a Backend instance")
-    backend = factory(model_path, config)
-    if not isinstance(backend, Backend):
-        raise KVAgentError(f"backend {name!r} does not implement kvagent.backends.base.Backend")
-    return backend

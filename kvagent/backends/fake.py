@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from kvagent.backends.base import BackendConfig, Capabilities, register_backend
+from kvagent.backends.base import BackendConfig, Capabilities
 from kvagent.errors import BackendError, KVCacheFullError
 
 if TYPE_CHECKING:
@@ -100,7 +100,8 @@ class FakeBackend:
 
     @classmethod
     def from_config(cls, path: Path, config: BackendConfig) -> FakeBackend:
-        """The factory ``register_backend`` uses: the pool shape from ``config``; ``path`` names the model."""
+        """The factory the registry uses (``backend="fake"``): the pool shape from ``config``; ``path`` names
+        the model."""
         return cls(n_ctx=config.n_ctx, n_seq_max=config.n_seq_max, n_batch=config.n_batch, model=path.name)
 
     # -- model facts ------------------------------------------------------------------------------
@@ -450,11 +451,5 @@ class FakeBackend:
             self.clear_memory()
             self._closed = True
 
-
-def _fake(path: Path, config: BackendConfig) -> FakeBackend:
-    return FakeBackend.from_config(path, config)
-
-
-register_backend("fake", _fake)
 
 __all__ = ["BOS", "EOS", "NEWLINE", "UNK", "FakeBackend"]

@@ -163,7 +163,7 @@ def bench_concurrency(
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
                                    "bench/results/concurrency.json)."),
     flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="Flash attention (default: the "
-                                    "engine's: on without activation capture)."),
+                                    "engine's, off)."),
 ) -> None:
     """Many sessions at once: decode tokens/s batched vs sequential (1-16 sessions), prefill rate, TTFT
     idle vs beside a long prefill, event-loop stall."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvagent.policies import last_layer
+import kvagent.policies.last_layer as last_layer
 from kvagent.policies.base import CacheView, EvictionPolicy
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvagent.policies import last_layer
+import kvagent.policies.last_layer as last_layer
 from kvagent.policies.base import CacheView, EvictionPolicy
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,8 @@ def test_logits_match_llama_cpp_python_high_level(engine: Engine) -> None:
         ours = s.logits()
         tokens = list(s.tokens)
     assert len(tokens) > 150
-    llm = Llama(str(engine.model.path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False)
+    flash = engine.settings.backend_config().flash_attn  # the same kernels on both sides
+    llm = Llama(str(engine.model.path), n_ctx=2048, n_batch=512, logits_all=True, flash_attn=flash, verbose=False)
     try:
         llm.eval(tokens)
         ref = np.array(llm.scores[len(tokens) - 1])

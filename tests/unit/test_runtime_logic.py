@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import kvagent.backends.fake  # noqa: F401  (registers backend "fake")
-from kvagent.backends.base import Backend, backend_names
+from kvagent.backends.base import Backend
+from kvagent.backends.registry import backend_names
 from kvagent.backends.fake import BOS, EOS, FakeBackend
 from kvagent.engine import Engine, EngineSettings
 from kvagent.errors import BackendError, ChatTemplateError, KVAgentError, KVCacheFullError
