@@ -335,7 +335,8 @@ async def run_async(
 
     plan = Plan.of(quick)
     progress(f"{model}: loading")
-    engine = await AsyncEngine.load(model, **ENGINE_SETTINGS, flash_attn=flash_attn)
+    chosen = {} if flash_attn is None else {"flash_attn": flash_attn}
+    engine = await AsyncEngine.load(model, **ENGINE_SETTINGS, **chosen)
     rows: list[dict[str, Any]] = []
     try:
         settings = engine.engine.settings
