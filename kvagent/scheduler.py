@@ -165,6 +165,8 @@ class Scheduler:
                     return
             self.rounds += 1
             for job in runnable:
+                if job.started and self._arrived():
+                    break  # new work goes first: a short request does not wait behind another chunk
                 with self.pool.lock:
                     self._advance(job)
             with self._cond:
@@ -172,6 +174,11 @@ class Scheduler:
             if waiting:
                 with self.pool.lock:
                     self._decode_batch(waiting)
+
+    def _arrived(self) -> bool:
+        """Whether work that has not started yet is ready to run."""
+        with self._cond:
+            return any(q[0] is not None and not q[0].started and q[0].ready() for q in self._queues.values() if q)
 
     def _advance(self, job: Job) -> None:
         """Send the job its value (or throw Cancelled) and run it to its next yield."""

@@ -1,0 +1,92 @@
+"""Chat messages to segments: one mapping for every adapter (LangChain, the OpenAI-compatible server).
+
+Leading system messages become the POLICY, later system messages MEMORY, user messages user turns,
+assistant messages assistant turns (the session re-renders text it generated to the tokens it cached),
+tool results a user-role turn that names the tool. A client that resends the whole history each call is
+served by :class:`MessageLog`: when the messages already in the prompt are a prefix of the new list, only
+the new ones are appended (errata and skills stay where they are, so the cached prefix is reused);
+otherwise the prompt is rebuilt with the current field values folded into the fields.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from kvagent.errors import SegmentOrderError
+from kvagent.segments import Segment, SegmentKind
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+_PREFIX = "msg-"
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message as clients send it; ``name`` is the tool's name for tool results."""
+
+    role: Role
+    content: str
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise SegmentOrderError(f"unknown message role {self.role!r}: use one of {', '.join(ROLES)}")
+
+
+def to_segment(message: ChatMessage, *, leading: bool) -> Segment:
+    """The segment of one message; ``leading``: a system message before any other message (the policy)."""
+    sid = f"{_PREFIX}{next(_ids)}"
+    if message.role == "system":
+        return Segment.policy(message.content, id=sid) if leading else Segment.memory(message.content, id=sid)
+    if message.role == "user":
+        return Segment.user(message.content, id=sid)
+    if message.role == "assistant":
+        return Segment.assistant(message.content, id=sid)
+    tool = message.name or "a tool"
+    return Segment.user(f"Result of {tool}:\n{message.content}", id=sid)
+
+
+def to_segments(messages: Sequence[ChatMessage], *, after_start: bool = False) -> list[Segment]:
+    """Segments of ``messages``; ``after_start``: other messages precede them (no leading system run)."""
+    out: list[Segment] = []
+    leading = not after_start
+    for m in messages:
+        leading = leading and m.role == "system"
+        out.append(to_segment(m, leading=leading))
+    return out
+
+
+def is_message_segment(segment: Segment) -> bool:
+    return segment.id.startswith(_PREFIX)
+
+
+class MessageLog:
+    """The messages a session's prompt holds, and how to bring that prompt to a new message list.
+
+    ``static`` are the segments an adapter adds itself (skills, declared fields): they follow the leading
+    system messages and precede the turns.
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[ChatMessage] = []
+
+    def plan(self, current: Sequence[Segment], messages: Sequence[ChatMessage], static: Sequence[Segment]) -> list[Segment]:
+        """The prompt for ``messages`` given the session's ``current`` segments (call :meth:`commit` once the
+        session holds it)."""
+        messages = list(messages)
+        held = self.messages
+        if held and messages[: len(held)] == held and any(is_message_segment(s) for s in current):
+            return [*current, *to_segments(messages[len(held):], after_start=True)]
+        values = {str(s.name): s.value for s in current if s.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM)}
+        lead = 0
+        while lead < len(messages) and messages[lead].role == "system":
+            lead += 1
+        fixed = [s.with_value(values[str(s.name)]) if s.kind is SegmentKind.FIELD and str(s.name) in values else s
+                 for s in static]
+        return [*to_segments(messages[:lead]), *fixed, *to_segments(messages[lead:], after_start=True)]
+
+    def commit(self, messages: Sequence[ChatMessage]) -> None:
+        self.messages = list(messages)

@@ -1,0 +1,57 @@
+"""Chat messages to segments, and the whole-history bookkeeping every adapter shares (kvagent.messages)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvagent.errors import SegmentOrderError
+from kvagent.messages import ChatMessage, MessageLog, is_message_segment, to_segments
+from kvagent.segments import Segment, SegmentKind
+
+SYS, USER, BOT = ChatMessage("system", "Be brief."), ChatMessage("user", "hi"), ChatMessage("assistant", "hello")
+
+
+@pytest.mark.parametrize(
+    "messages, expected",
+    [
+        ([SYS, USER], [("policy", "system", "Be brief."), ("turn", "user", "hi")]),
+        ([SYS, SYS, USER], [("policy", "system", "Be brief."), ("policy", "system", "Be brief."), ("turn", "user", "hi")]),
+        ([USER, SYS], [("turn", "user", "hi"), ("memory", "system", "Be brief.")]),
+        ([USER, BOT], [("turn", "user", "hi"), ("turn", "assistant", "hello")]),
+        ([ChatMessage("tool", "42", name="calc")], [("turn", "user", "Result of calc:\n42")]),
+    ],
+)
+def test_messages_map_to_segments(messages: list[ChatMessage], expected: list[tuple[str, str, str]]) -> None:
+    segments = to_segments(messages)
+    assert [(s.kind.value, s.role, s.text) for s in segments] == expected
+    assert all(is_message_segment(s) for s in segments)
+
+
+def test_unknown_role_is_refused_by_name() -> None:
+    with pytest.raises(SegmentOrderError, match="unknown message role 'robot'"):
+        ChatMessage("robot", "x")  # type: ignore[arg-type]
+
+
+def test_resent_history_appends_only_new_messages_and_keeps_errata() -> None:
+    log, fields = MessageLog(), [Segment.field("status", "open")]
+    first = log.plan([], [SYS, USER], fields)
+    assert [s.kind for s in first] == [SegmentKind.POLICY, SegmentKind.FIELD, SegmentKind.TURN]
+    log.commit([SYS, USER, BOT])  # the reply the session generated is part of the history
+    current = [*first, Segment.erratum("status", "closed"), Segment.assistant("hello")]
+    second = log.plan(current, [SYS, USER, BOT, ChatMessage("user", "more")], fields)
+    assert second[: len(current)] == current and [s.text for s in second[len(current):]] == ["more"]
+
+
+@pytest.mark.parametrize(
+    "resent",
+    [[SYS, ChatMessage("user", "edited")], [ChatMessage("user", "fresh")], [SYS]],
+)
+def test_a_diverging_history_is_rebuilt_with_current_field_values(resent: list[ChatMessage]) -> None:
+    log, fields = MessageLog(), [Segment.field("status", "open")]
+    first = log.plan([], [SYS, USER], fields)
+    log.commit([SYS, USER, BOT])
+    current = [*first, Segment.erratum("status", "closed"), Segment.assistant("hello")]
+    rebuilt = log.plan(current, resent, fields)
+    assert not any(s.kind is SegmentKind.ERRATUM for s in rebuilt)
+    assert [s.value for s in rebuilt if s.kind is SegmentKind.FIELD] == ["closed"]
+    assert [s.text for s in rebuilt if is_message_segment(s)] == [m.content for m in resent]
