@@ -37,6 +37,14 @@ def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Work[T]:
     yield  # pragma: no cover
 
 
+def _notify(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    """Run ``callback`` on ``loop`` from the worker; a loop that has closed meanwhile has nobody to tell."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:  # the event loop is closed (e.g. a stream abandoned at shutdown)
+        pass
+
+
 async def _await(scheduler: Scheduler, job: Job) -> Any:
     """The job's result, awaited without blocking the loop; cancelling the awaiting task cancels the job."""
     loop = asyncio.get_running_loop()
@@ -50,7 +58,7 @@ async def _await(scheduler: Scheduler, job: Job) -> Any:
                 waiter.set_exception(error)
             else:
                 waiter.set_result(result)
-        loop.call_soon_threadsafe(apply)
+        _notify(loop, apply)
 
     on_done(job, settle)
     try:
@@ -78,11 +86,11 @@ class AsyncGenerationStream(GenerationStream):
 
     def push(self, piece: str) -> None:
         super().push(piece)
-        self._loop.call_soon_threadsafe(self._ready.set)
+        _notify(self._loop, self._ready.set)
 
     def end(self, result: Generation | None, error: BaseException | None) -> None:
         super().end(result, error)
-        self._loop.call_soon_threadsafe(self._ready.set)
+        _notify(self._loop, self._ready.set)
 
     def __aiter__(self) -> AsyncGenerationStream:
         return self

@@ -18,7 +18,7 @@ from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.kv.plan import Run, plan_runs
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.steps import Work
-from kvagent.segments import Rendered, common_prefix
+from kvagent.segments import Rendered, SegmentKind, common_prefix
 
 if TYPE_CHECKING:
     from kvagent.skills.fidelity import FidelityGuard
@@ -76,6 +76,9 @@ def sync(
         keep = 0
     shared_seq, shared = pool.index.match(new, exclude=state.seq) if share_prefix else (-1, 0)
     shared = min(shared, len(new) - 1)
+    # a reused prefix that ends inside a compiled skill would decode the skill's rest: transplant it whole
+    keep = _before_skill(rendered, keep, skills, renderer_sink)
+    shared = _before_skill(rendered, shared, skills, renderer_sink)
     start_at = max(keep, shared)
     runs = _plan(state, rendered, start_at, skills, renderer_sink)  # blobs checked before any change
     state.cut(keep)
@@ -116,6 +119,20 @@ def sync(
     state.publish()
     log.debug("seq %d sync: reused %d (shared %d), computed %d, transplanted %d", state.seq, keep, gained, computed, transplanted)
     return PrefillReport(keep, computed, time.perf_counter() - start, gained, transplanted, fidelity_cos, fell_back)
+
+
+def _before_skill(
+    rendered: Rendered, position: int, library: SkillLibrary | None, renderer_sink: Callable[[], list[int]] | None
+) -> int:
+    """``position``, or the start of the compiled skill span it falls strictly inside."""
+    if library is None:
+        return position
+    for span in rendered.spans:
+        if span.kind is SegmentKind.SKILL and span.first < position <= span.last:
+            tokens = rendered.tokens[span.first : span.last + 1]
+            sink = renderer_sink() if renderer_sink is not None else None
+            return span.first if library.lookup(tokens, sink) is not None else position
+    return position
 
 
 def _plan(

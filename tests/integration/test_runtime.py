@@ -20,6 +20,7 @@ from kvagent.generation import Decoder, generation_work
 from kvagent.skills.spec import SkillSpec
 from kvagent.skills.store import SkillStore
 from tests.conftest import cosine
+from tests.integration.test_skills import FIDELITY
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +227,29 @@ def test_a_skill_compiled_elsewhere_is_transplanted(engine: Engine, tmp_path: Pa
                     assert s.prefill().transplanted == 0
         warnings = [r.getMessage() for r in caplog.records if "not compiled" in r.getMessage()]
         assert len(warnings) == 1 and "kvagent skills compile" in warnings[0]
+    finally:
+        if saved is not None:
+            engine.skills = saved
+
+
+def test_a_prefix_shared_into_a_skill_span_still_transplants_the_skill(engine: Engine, tmp_path: Path) -> None:
+    """Another session's prompt shares the policy and the opening tag of the next system message: the
+    shared prefix ends inside the skill's span, and the skill is transplanted whole, not decoded."""
+    spec = SkillSpec(name="hours", version="1", kind="rules", text="The shop opens at nine and closes at six, "
+                     "Monday to Saturday. On Sundays it is closed. Holidays follow the city calendar.")
+    saved = engine._skills
+    try:
+        engine.skills = engine.skill_library(SkillStore(tmp_path / "skills"))
+        engine.skills.compile(spec, engine.renderer(True))
+        policy = Segment.policy("You are the assistant of a small shop.")
+        with engine.session([policy, Segment.memory("The customer likes tea.")]) as a:
+            a.prefill()
+            with engine.session([policy, spec.segment(), Segment.user("When do you open?")]) as b:
+                report = b.prefill()
+                assert report.shared > 0 and report.transplanted > 0
+                segments, logits = list(b.segments), b.logits()
+        engine.skills = engine.skill_library(SkillStore(tmp_path / "empty"))  # the oracle prefills everything
+        assert cosine(logits, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
     finally:
         if saved is not None:
             engine.skills = saved
