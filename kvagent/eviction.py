@@ -77,6 +77,8 @@ class Evictor:
                 )
             self._capture.want([self._layer])
         self._hidden: dict[int, np.ndarray] = {}
+        self._tokens: dict[int, int] = {}  # token decoded at each position still cached (and at p - 1 of those)
+        self._texts: dict[int, str] = {}  # token id -> text
         self._seen: set[int] = set()  # positions already shown to the policy in an earlier cycle
         self.cycles: list[CycleReport] = []
 
@@ -84,6 +86,7 @@ class Evictor:
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq: int, outputs: Sequence[bool]) -> np.ndarray:
         """``backend.decode`` for this session, recording H^(L-1) rows when the policy needs them."""
         capture = self._capture if self.policy.needs_hidden else None
+        self._tokens.update(zip((int(p) for p in positions), (int(t) for t in tokens)))
         if capture is None:
             return self._backend.decode(tokens, positions, [seq] * len(tokens), outputs)
         capture.clear()
@@ -104,6 +107,7 @@ class Evictor:
     def forget_from(self, position: int) -> None:
         """The sequence was cut at ``position``: drop what was recorded from there on."""
         self._hidden = {p: h for p, h in self._hidden.items() if p < position}
+        self._tokens = {p: t for p, t in self._tokens.items() if p < position}
         self._seen = {p for p in self._seen if p < position}
 
     # -- cycle ------------------------------------------------------------------------------------
@@ -115,13 +119,18 @@ class Evictor:
         """Prune the cells ``positions`` (ascending, with their ``tokens``) to the budget; returns what went."""
         start = time.perf_counter()
         pos = np.asarray(positions, dtype=np.int64)
+        tok = np.asarray(tokens, dtype=np.int64)
+        self._tokens.update(zip(pos.tolist(), tok.tolist()))
         view = CacheView(
-            tokens=np.asarray(tokens, dtype=np.int64),
+            tokens=tok,
             positions=pos,
             pinned=np.asarray(pinned, dtype=bool),
             new=np.array([p not in self._seen for p in pos.tolist()]),
             hidden=self.hidden_rows(pos) if self.policy.needs_hidden else None,
             model_path=self._model_path,
+            query_hidden=self.hidden_rows(pos - 1) if self.policy.needs_hidden else None,
+            previous=np.array([self._tokens.get(p - 1, -1) for p in pos.tolist()], dtype=np.int64),
+            texts=self.texts(tok),
         )
         scores = np.asarray(self.policy.score(view), dtype=np.float64)
         if scores.shape != (len(view),):
@@ -135,14 +144,33 @@ class Evictor:
         gone = pos[~kept]
         for first, last in _runs(gone.tolist()):
             self._backend.seq_rm(seq, first, last + 1)
-        for p in gone.tolist():
-            self._hidden.pop(p, None)
+        # keep what a later cycle reads: the cached cells' states and tokens, and those of the position
+        # just before each cached cell (the query that scores it in the counter-causal pass)
+        wanted = set(pos[kept].tolist())
+        wanted |= {p - 1 for p in wanted}
+        self._hidden = {p: h for p, h in self._hidden.items() if p in wanted}
+        self._tokens = {p: t for p, t in self._tokens.items() if p in wanted}
         self._seen = set(pos[kept].tolist())
         self.policy.kept(pos[kept])
         report = CycleReport(len(view), int(kept.sum()), tuple(gone.tolist()), score_ms, (time.perf_counter() - start) * 1000)
         self.cycles.append(report)
         log.debug("eviction cycle (%s): %d -> %d cells, %.1f ms", self.policy.name, report.before, report.after, report.cycle_ms)
         return report
+
+    def texts(self, tokens: np.ndarray) -> tuple[str, ...]:
+        """Each token's text (UTF-8, invalid bytes replaced; a token split inside a character reads as
+        U+FFFD), cached per token id."""
+        out = []
+        for t in tokens.tolist():
+            text = self._texts.get(t)
+            if text is None:
+                try:
+                    text = self._backend.token_bytes(t).decode("utf-8", "replace")
+                except Exception:  # a backend without token texts: spans fall back to blocks
+                    text = ""
+                self._texts[t] = text
+            out.append(text)
+        return tuple(out)
 
     def hidden_rows(self, positions: np.ndarray) -> np.ndarray:
         """``[n, n_embd]`` recorded H^(L-1) rows for ``positions``; NaN rows where none was recorded."""

@@ -28,6 +28,7 @@ class KVBlob:
     tokens: tuple[int, ...]
     payload: bytes
     logits: bytes = b""  # float32 next-token logits after the last token, when the saver had them
+    evicted: tuple[int, ...] = ()  # positions < len(tokens) an eviction cycle removed (no cell saved)
 
     def to_bytes(self) -> bytes:
         header = json.dumps(
@@ -39,6 +40,7 @@ class KVBlob:
                 "payload_len": len(self.payload),
                 "logits_len": len(self.logits),
                 "sha256": hashlib.sha256(self.payload + self.logits).hexdigest(),
+                **({"evicted": sorted(self.evicted)} if self.evicted else {}),
             }
         ).encode()
         return MAGIC + struct.pack("<I", len(header)) + header + self.payload + self.logits
@@ -56,6 +58,9 @@ class KVBlob:
             body = blob[8 + hlen :]
             payload, logits = body[:expected_len], body[expected_len:]
             tokens = tuple(int(t) for t in header["tokens"])
+            evicted = tuple(int(p) for p in header.get("evicted", ()))
+            if any(not 0 <= p < len(tokens) for p in evicted) or len(set(evicted)) != len(evicted):
+                raise ValueError("evicted positions outside the tokens")
         except (ValueError, KeyError, TypeError) as exc:
             raise KVBlobError(f"corrupt KV blob header ({exc}): save it again with session.save()") from exc
         if header.get("envelope") != ENVELOPE_VERSION:
@@ -72,4 +77,4 @@ class KVBlob:
             )
         if len(payload) != expected_len or len(logits) != logits_len or hashlib.sha256(body).hexdigest() != header.get("sha256"):
             raise KVBlobError("KV blob is corrupt or truncated (checksum mismatch): recompute it")
-        return cls(header["model"], header["format"], tokens, payload, logits)
+        return cls(header["model"], header["format"], tokens, payload, logits, evicted)

@@ -8,6 +8,9 @@ only ever read through llama.cpp's state API, never assumed to be host memory.
 
 llama.cpp accepts a sequence's new tokens only at ``pos_max + 1``; callers that rewrite the middle of a
 sequence remove the tail first and decode left to right.
+
+:class:`BaselineChat` is what users run without kvagent (llama-cpp-python's high-level chat API), kept here so
+that comparisons (``kvagent demo``) need no other module to import ``llama_cpp``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -107,7 +112,8 @@ class LlamaCppBackend:
         self.n_seq_max = cfg.n_seq_max
         self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
         self._batch = C.llama_batch_init(self.n_batch, 0, 1)
-        self.format = f"llama-cpp-python {C.__version__}; kv f16; swa_full={cfg.swa_full}"
+        # V is stored transposed without flash attention: state saved one way cannot be restored the other
+        self.format = f"llama-cpp-python {C.__version__}; kv f16; swa_full={cfg.swa_full}; v_trans={not cfg.flash_attn}"
         log.info("loaded %s: n_ctx=%d n_seq_max=%d n_swa=%d", model_path.name, self.n_ctx, self.n_seq_max, self.n_swa)
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -200,6 +206,7 @@ class LlamaCppBackend:
 
     def tokenize(self, text: str, *, special: bool) -> list[int]:
         """Token ids of ``text``, no BOS added; ``special`` parses control tokens like ``<|im_end|>``."""
+        self._live()  # the vocabulary is freed with the model
         data = text.encode("utf-8")
         cap = len(data) + 8
         while True:
@@ -211,6 +218,7 @@ class LlamaCppBackend:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (control tokens render as nothing)."""
+        self._live()
         size = 64
         while True:
             buf = ctypes.create_string_buffer(size)
@@ -351,3 +359,57 @@ class LlamaCppBackend:
                 f"llama_state_seq_set_data(seq={seq}) refused {len(data)} bytes: not enough free KV cells, "
                 "or the bytes come from another model or context layout"
             )
+
+
+# -- the baseline: llama-cpp-python's own chat API ----------------------------------------------------
+@dataclass(frozen=True)
+class BaselineReply:
+    """One reply of :class:`BaselineChat`: its text, the prompt tokens it decoded, and its timings."""
+
+    text: str
+    prompt_tokens: int
+    computed: int  # prompt tokens decoded for this call (the rest was the previous prompt's prefix)
+    ttft_s: float
+    total_s: float
+
+
+class BaselineChat:
+    """What a user runs without kvagent: ``llama_cpp.Llama.create_chat_completion`` on the same GGUF.
+
+    One ``Llama``, one KV cache: each call renders the whole message list with the model's chat template and
+    reuses the prefix it shares with the previous call's prompt (llama-cpp-python's own prefix match); a
+    change anywhere recomputes everything after it. For comparisons (``kvagent demo``), greedy decoding.
+    """
+
+    def __init__(self, model_path: Path, *, n_ctx: int = 4096, n_threads: int = 0) -> None:
+        self._llama = C.Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=n_threads or os.cpu_count() or 1,
+                              verbose=False)
+        self._decoded: list[int] = []  # sizes of the eval calls of the current reply: the first is the prompt's
+        self._prefix = 0
+        evaluate = self._llama.eval
+
+        def counting_eval(tokens: Sequence[int]) -> None:
+            if not self._decoded:
+                self._prefix = self._llama.n_tokens  # what the prefix match kept
+            self._decoded.append(len(tokens))
+            evaluate(tokens)
+
+        self._llama.eval = counting_eval  # type: ignore[method-assign]
+
+    def reply(self, messages: list[dict[str, str]], max_tokens: int) -> BaselineReply:
+        """Generate the assistant's reply to ``messages`` (``{"role", "content"}`` dicts), greedy, streamed so
+        that the time to the first token is measured."""
+        self._decoded = []
+        start = time.perf_counter()
+        ttft = 0.0
+        pieces: list[str] = []
+        for chunk in self._llama.create_chat_completion(messages=messages, max_tokens=max_tokens, temperature=0.0,
+                                                        stream=True):
+            if not ttft:
+                ttft = time.perf_counter() - start
+            pieces.append(chunk["choices"][0]["delta"].get("content") or "")  # type: ignore[index]
+        computed = self._decoded[0] if self._decoded else 0
+        return BaselineReply("".join(pieces), self._prefix + computed, computed, ttft, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._llama.close()

@@ -2,8 +2,8 @@
 
 One module per command group: :mod:`kvagent.cli.main` holds the root app (``--verbose``, ``demo``,
 ``models``) and registers every group; each group module (``bench``, ``edits``, ``native``, ``skills``,
-``reference``, ``probe``) defines its own ``app = typer.Typer(...)`` and its commands; shared helpers are in
-:mod:`kvagent.cli.common`. To add a group: a module here with its ``app``, and one ``add_typer`` line in
+``reference``, ``probe``, ``chat``) defines its own ``app = typer.Typer(...)`` and its commands; shared helpers
+are in :mod:`kvagent.cli.common`. To add a group: a module here with its ``app``, and one ``add_typer`` line in
 :mod:`kvagent.cli.main`. Commands import what they run inside their bodies, so ``--help`` stays fast.
 
 Layering: only :mod:`kvagent.cli.bench` (the entry to the benchmarks) imports ``kvagent.bench``

@@ -199,3 +199,50 @@ def bench_concurrency(
           fmt(r["ttft_s"], ".3f"), fmt(r["max_stall_ms"], ".1f"), fmt(r["prefill_chunk"], "d"), notes(r)]
          for r in rows],
     )
+
+
+@app.command("load")
+def bench_load(
+    quick: bool = typer.Option(False, help="6 agents per rate, a 1-turn warm-up, points cut at 80 s (about 4 minutes)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/load.json; "
+                                   "load-quick.json with --quick, load-remote*.json for --target remote)."),
+    target: str = typer.Option("serve", help="serve: `kvagent serve`; remote: llama-cpp-python's server through "
+                               "kvagent's remote sessions."),
+) -> None:
+    """Source paper A's online benchmark: errata vs in-prefix edits under Poisson load (hit rate, p90 TTFT,
+    throughput as the agent arrival rate doubles), on a server started on 127.0.0.1."""
+    from kvagent.bench import load
+
+    if target not in load.TARGETS:
+        console.print(f"[red]error:[/] unknown target {target!r}: use one of {', '.join(load.TARGETS)}")
+        raise typer.Exit(2)
+    try:
+        import httpx  # noqa: F401
+
+        import kvagent_server  # noqa: F401
+    except ImportError as exc:
+        console.print(f"[red]error:[/] the load benchmark needs the server package ({exc}): run "
+                      "`pip install -e adapters/server` (make installs it)")
+        raise typer.Exit(1) from exc
+    json_path = json_path or load.default_json(target, quick)
+    with console.status("load benchmark") as status:
+        rows = load.run(target, quick, json_path, command_line(), progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    load.plot(rows, plot_path)
+    fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
+    print_table(
+        f"errata vs in-prefix edits under Poisson load, {target} ({json_path}, {plot_path})",
+        ("arm", "agents/s", "offered/s", "done/s", "p50 TTFT", "p90 TTFT", "hit", "by", "turns", "err", "cut"),
+        [[r["arm"], f"{r['rate']:g}", fmt(r["offered_rps"], ".2f"), fmt(r["throughput_rps"], ".2f"),
+          fmt(r["ttft_p50_s"], ".2f"), fmt(r["ttft_p90_s"], ".2f"), fmt(r["hit_rate"], ".3f"),
+          "server" if r["hit_rate_source"] == "server" else "client", str(r["completed"]), str(r["errors"]),
+          str(r["censored"])] for r in rows],
+    )
+    console.print("offered/s, done/s: turns per second offered and completed; TTFT in seconds; hit: prompt tokens "
+                  "not computed in their turn, as reported by the server or estimated by the client; cut: turns "
+                  "still running when the point was cut (their wait counts as a lower bound)")
+    summary = load.compare(rows)
+    ratio = summary.get("ttft_p90_ratio")
+    console.print(f"at {summary.get('rate', '-')} agents/s (the highest rate both arms ran): p90 TTFT inplace / "
+                  f"erratum = {fmt(ratio, '.1f')}x; saturated throughput erratum / inplace = "
+                  f"{fmt(summary.get('throughput_ratio'), '.1f')}x")

@@ -6,11 +6,13 @@ import typer
 from rich.table import Table
 
 from kvagent.cli.bench import app as bench_app
+from kvagent.cli.chat import app as chat_app
 from kvagent.cli.common import configure_logging, console
 from kvagent.cli.edits import app as edits_app
 from kvagent.cli.native import app as native_app
 from kvagent.cli.probe import app as probe_app
 from kvagent.cli.reference import app as reference_app
+from kvagent.cli.serve import serve
 from kvagent.cli.skills import app as skills_app
 from kvagent.errors import KVAgentError
 
@@ -25,38 +27,54 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kvagen
 @app.command()
 def demo(
     model: str = typer.Option("smollm2-135m", help="Registry name or path of a local .gguf file."),
-    max_tokens: int = typer.Option(48, help="Most tokens per reply."),
+    max_tokens: int = typer.Option(40, help="Most tokens per reply."),
 ) -> None:
-    """Run a small stateful support agent; per turn: tokens reused from cache vs computed, and TTFT."""
-    from kvagent.demo import TurnStats, run_demo
+    """One support conversation, side by side: kvagent (compiled skill, erratum, eviction budget) and
+    llama-cpp-python's own create_chat_completion; per turn the prompt tokens computed, TTFT and the answer."""
+    from kvagent.demo import BUDGET, DemoTurn, run_demo
     from kvagent.engine import Engine
 
     try:
         with console.status(f"loading {model}"):
-            engine = Engine.load(model, n_ctx=4096, n_seq_max=4)
+            engine = Engine.load(model, n_ctx=2048, n_seq_max=2)
     except KVAgentError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from exc
-    console.print(f"[bold]kvagent demo[/] on {engine.model.name} ({engine.fingerprint[:12]})")
+    console.print(f"[bold]kvagent demo[/] on {engine.model.name}: a support agent with a policy, a compiled skill "
+                  f"(refund-policy), two fields and a long account history, kept within {BUDGET} KV cells; the same "
+                  "conversation through llama-cpp-python's Llama.create_chat_completion beside it.")
 
-    def show(row: TurnStats) -> None:
-        console.print(f"\n[bold]{row.customer} #{row.turn}:[/] {row.question}\n[green]agent:[/] {row.answer}")
-        console.print(
-            f"  [dim]reused {row.reused} tokens from cache, computed {row.computed}, "
-            f"generated {row.generated}, time to first token {row.ttft_s * 1000:.0f} ms[/]"
-        )
+    def one_line(text: str) -> str:
+        return " ".join(text.split()) or "(empty reply)"
+
+    def show(row: DemoTurn) -> None:
+        change = ", ".join(f"{k} -> {v}" for k, v in row.changes.items())
+        note = (f"  [cyan]{change}: kvagent appends an erratum line; llama-cpp-python's system prompt is rewritten[/]"
+                if change else "")
+        k, b = row.kvagent, row.baseline
+        console.print(f"\n[bold]turn {row.turn}[/]{note}\n[bold]customer:[/] {row.question}")
+        transplanted = f", {k.transplanted} transplanted from the compiled skill" if k.transplanted else ""
+        console.print(f"  [green]kvagent[/]          computed {k.computed:>5} tokens, TTFT {k.ttft_s * 1000:>6.0f} ms, "
+                      f"{k.cells} KV cells{transplanted}\n    {one_line(k.answer)}")
+        console.print(f"  [yellow]llama-cpp-python[/] computed {b.computed:>5} tokens, "
+                      f"TTFT {b.ttft_s * 1000:>6.0f} ms\n    {one_line(b.answer)}")
 
     with engine:
         rows = run_demo(engine, max_tokens=max_tokens, on_turn=show)
-    table = Table(title="per turn: prompt tokens reused from the KV cache vs computed")
-    for col in ("customer", "turn", "reused", "computed", "generated", "TTFT ms"):
-        table.add_column(col, justify="right" if col != "customer" else "left")
+    table = Table(title="per turn: prompt tokens computed, time to first token (* a field changed)")
+    for col in ("turn", "kvagent\ncomputed", "kvagent\nTTFT ms", "llama-cpp-python\ncomputed",
+                "llama-cpp-python\nTTFT ms"):
+        table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.customer, str(r.turn), str(r.reused), str(r.computed), str(r.generated), f"{r.ttft_s * 1000:.0f}")
+        table.add_row(f"{r.turn}{'*' if r.changes else ''}", str(r.kvagent.computed), f"{r.kvagent.ttft_s * 1000:.0f}",
+                      str(r.baseline.computed), f"{r.baseline.ttft_s * 1000:.0f}")
     console.print(table)
-    reused = sum(r.reused for r in rows)
-    computed = sum(r.computed for r in rows)
-    console.print(f"{reused} of {reused + computed} prompt tokens ({reused / (reused + computed):.0%}) came from the cache.")
+    ours, theirs = sum(r.kvagent.computed for r in rows), sum(r.baseline.computed for r in rows)
+    ttft_ours, ttft_theirs = sum(r.kvagent.ttft_s for r in rows), sum(r.baseline.ttft_s for r in rows)
+    console.print(f"kvagent computed {ours} prompt tokens in all, llama-cpp-python {theirs} "
+                  f"({theirs / max(ours, 1):.1f}x as many); summed time to first token {ttft_ours:.1f} s vs "
+                  f"{ttft_theirs:.1f} s; kvagent held at most {max(r.kvagent.cells for r in rows)} KV cells "
+                  f"(budget {BUDGET}).")
 
 
 @app.command()
@@ -83,3 +101,5 @@ app.add_typer(native_app, name="native")
 app.add_typer(skills_app, name="skills")
 app.add_typer(reference_app, name="reference")
 app.add_typer(probe_app, name="probe")
+app.command("serve")(serve)
+app.add_typer(chat_app, name="chat")

@@ -16,15 +16,12 @@ from kvagent.segments import common_prefix
 
 
 def save_blob(state: CachedSequence, fingerprint: str) -> bytes:
-    """The blob of ``state`` (at rest: logits known); a cache with evicted holes is refused."""
-    if state.evicted:
-        raise KVAgentError(
-            f"this session evicted {len(state.evicted)} positions; saving a cache with holes is not supported: "
-            "save before the first eviction cycle, or save the segments and prefill them again")
+    """The blob of ``state`` (at rest: logits known); evicted positions are recorded in its header."""
     if state.logits is None:
         raise KVAgentError("save needs the cache at rest (prefill first) (internal error)")
     logits = state.logits.astype(np.float32).tobytes()
-    return KVBlob(fingerprint, state.backend.format, state.tokens, state.save(), logits).to_bytes()
+    return KVBlob(fingerprint, state.backend.format, state.tokens, state.save(), logits,
+                  tuple(sorted(state.evicted))).to_bytes()
 
 
 def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fingerprint: str) -> None:
@@ -39,4 +36,10 @@ def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fi
     logits = np.frombuffer(parsed.logits, dtype=np.float32).copy() if parsed.logits else None
     if logits is not None and logits.shape != (backend.n_vocab,):
         raise KVAgentError(f"the blob's logits have {logits.size} entries, the model {backend.n_vocab}")
-    state.restore(parsed.payload, parsed.tokens, logits)
+    state.restore(parsed.payload, parsed.tokens, logits, frozenset(parsed.evicted))
+    held = list(backend.seq_positions(state.seq))
+    if held != list(state.cached_positions):
+        state.cut(0)
+        raise KVAgentError(
+            f"the blob's cache holds {len(held)} cells, its header records {len(state.cached_positions)} kept positions "
+            f"of {len(parsed.tokens)}: the blob is inconsistent, save it again")

@@ -94,6 +94,10 @@ class SequencePool:
         """Whether another sequence may hold ``seq``'s cells at ``position`` or later (conservative)."""
         return any(upto > position and seq in pair for pair, upto in self._shared.items())
 
+    def shared_upto(self, a: int, b: int) -> int:
+        """Sequences ``a`` and ``b`` share their cells at positions below this (0: none)."""
+        return self._shared.get((min(a, b), max(a, b)), 0)
+
     def cut(self, seq: int, position: int) -> None:
         """``seq`` dropped its cells from ``position`` on: it shares nothing from there."""
         for pair, upto in list(self._shared.items()):

@@ -150,8 +150,10 @@ class CachedSequence:
     def save(self) -> bytes:
         return self.backend.seq_save(self.seq)
 
-    def restore(self, payload: bytes, tokens: tuple[int, ...], logits: np.ndarray | None) -> None:
-        """Replace the cache by saved bytes holding ``tokens`` (checked by the caller)."""
+    def restore(self, payload: bytes, tokens: tuple[int, ...], logits: np.ndarray | None,
+                evicted: frozenset[int] = frozenset()) -> None:
+        """Replace the cache by saved bytes holding ``tokens`` less the ``evicted`` positions (checked by
+        the caller against the backend's cells)."""
         self.pool.cut(self.seq, 0)
         try:
             self.backend.seq_restore(self.seq, payload)
@@ -160,7 +162,7 @@ class CachedSequence:
             self.publish()
             raise
         self.tokens, self.logits = tokens, logits
-        self.evicted = self.stale = frozenset()
+        self.evicted, self.stale = frozenset(evicted), frozenset()
         if self.evictor is not None:
             self.evictor.forget_from(0)  # restored cells come without captured hidden states
         n_swa = self.backend.n_swa

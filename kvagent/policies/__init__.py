@@ -8,17 +8,27 @@ from kvagent.errors import EvictionError
 from kvagent.policies.attention import HeavyHitters, ImportanceSampling, LatestQuery
 from kvagent.policies.base import CacheView, EvictionPolicy, KeepSinks, select_keep
 from kvagent.policies.simple import RandomScores, Recency
+from kvagent.policies.spans import Spans
 from kvagent.policies.surprise import FastSurprise, FullSurprise
 
 SINKS = 4  # first tokens every policy keeps (StreamingLLM's attention sinks)
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "surprise": lambda: KeepSinks(FastSurprise(), SINKS),
+    # span-level (issue 13): sentences (or clauses) cut from the token texts, or blocks of 16 positions,
+    # ranked by the max token surprise and kept whole; "surprise-token" is the token-level pass
+    "surprise": lambda: KeepSinks(Spans(FastSurprise(), "sentence", "max", name="surprise"), SINKS),
+    "surprise-token": lambda: KeepSinks(FastSurprise(name="surprise-token"), SINKS),
+    "surprise-clause": lambda: KeepSinks(Spans(FastSurprise(), "clause", "max", name="surprise-clause"), SINKS),
+    "surprise-block": lambda: KeepSinks(Spans(FastSurprise(), "block", "max", name="surprise-block"), SINKS),
+    "surprise-span-mean": lambda: KeepSinks(Spans(FastSurprise(), "sentence", "mean", name="surprise-span-mean"), SINKS),
+    "surprise-span-topk": lambda: KeepSinks(Spans(FastSurprise(), "sentence", "topk", name="surprise-span-topk"), SINKS),
     "surprise-full": lambda: KeepSinks(FullSurprise(), SINKS),
     "surprise-paper": lambda: KeepSinks(FastSurprise(query="self", proxy="logit", name="surprise-paper"), SINKS),
     "window": lambda: KeepSinks(Recency(), SINKS),
     "h2o": lambda: KeepSinks(HeavyHitters(), SINKS),
     "tova": lambda: KeepSinks(LatestQuery(), SINKS),
+    "h2o-span": lambda: KeepSinks(Spans(HeavyHitters(), "sentence", "max", name="h2o-span"), SINKS),
+    "tova-span": lambda: KeepSinks(Spans(LatestQuery(), "sentence", "max", name="tova-span"), SINKS),
     "importance": lambda: KeepSinks(ImportanceSampling(), SINKS),
     "random": lambda: KeepSinks(RandomScores(), SINKS),
 }
@@ -37,4 +47,5 @@ def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
 __all__ = [
     "CacheView", "EvictionPolicy", "KeepSinks", "select_keep", "get_policy", "POLICIES", "FastSurprise",
     "FullSurprise", "HeavyHitters", "ImportanceSampling", "LatestQuery", "Recency", "RandomScores",
+    "Spans",
 ]

@@ -24,6 +24,12 @@ class CacheView:
     since the previous cycle; ``hidden: [n, n_embd]`` float32 penultimate-layer hidden states
     (input of the last layer, captured from llama.cpp) or None when the engine captures nothing;
     ``model_path`` the GGUF the engine runs (policies that compute in torch load from it).
+
+    Filled by the :class:`~kvagent.eviction.Evictor` (None when built elsewhere): ``query_hidden: [n,
+    n_embd]`` the hidden state recorded at position ``p - 1`` of each cell (NaN where none), kept by the
+    Evictor even after ``p - 1`` was evicted, so the counter-causal pass can score ``x_p`` from the
+    state that predicts it; ``previous: [n]`` int64 the token at ``p - 1`` (-1 where unknown);
+    ``texts``: each cell's token text (UTF-8, invalid bytes replaced), for span-level policies.
     """
 
     tokens: np.ndarray
@@ -32,6 +38,9 @@ class CacheView:
     new: np.ndarray
     hidden: np.ndarray | None
     model_path: Path
+    query_hidden: np.ndarray | None = None
+    previous: np.ndarray | None = None
+    texts: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.size)

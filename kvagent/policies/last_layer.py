@@ -68,7 +68,8 @@ def attention(path: Path, hidden: np.ndarray, positions: np.ndarray, queries: np
 
 
 def counter_causal_queries(positions: "torch.Tensor", query: str) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """Which rows query, and the ``[q, n]`` counter-causal mask, for scoring each token ``x_i``.
+    """Which rows query, and the ``[q, n]`` counter-causal mask, for scoring each token ``x_i`` of a
+    *contiguous* run of cells (positions ``p, p+1, ...``; see :func:`previous_rows` for cells with holes).
 
     ``query="self"``: row i itself queries keys at rows j > i (the paper's wording). Its residual
     stream already holds x_i, so "predicting" x_i there mostly measures how strongly the embedding of
@@ -86,31 +87,62 @@ def counter_causal_queries(positions: "torch.Tensor", query: str) -> tuple["torc
     return rows, torch.arange(n)[None, :] > (rows[:, None] + 1)
 
 
+def previous_rows(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``[n, ...]``: for each cell, ``rows`` of the cell at position ``p - 1`` when the cell before it
+    in the view holds that position, else NaN (or -1 for integer rows).
+
+    After an eviction cycle the cell before a kept token is often not its predecessor: the state at
+    position ``p' < p - 1`` predicts ``x_{p'+1}``, not ``x_p``. Scoring ``x_p`` from it (the old
+    "previous row" pass) gave every token whose predecessor was evicted a spuriously low probability,
+    so surprise kept scattered leftovers and dropped contiguous facts (issue 13)."""
+    out = np.full(rows.shape, -1 if rows.dtype.kind in "iu" else np.nan, dtype=rows.dtype)
+    if positions.size > 1:
+        follows = np.flatnonzero(np.diff(positions) == 1) + 1
+        out[follows] = rows[follows - 1]
+    return out
+
+
 def counter_causal_scores(
-    path: Path, hidden: np.ndarray, positions: np.ndarray, tokens: np.ndarray, query: str = "previous", proxy: str = "logprob"
+    path: Path, hidden: np.ndarray, positions: np.ndarray, tokens: np.ndarray, query: str = "previous",
+    proxy: str = "logprob", query_hidden: np.ndarray | None = None,
 ) -> np.ndarray:
     """``[n]``: log P (``proxy="logprob"``) or the raw logit (``"logit"``, the paper's proxy) of each
-    row's token under the counter-causal mask, from the last layer only (see
-    :func:`counter_causal_queries`). Rows that are not scored get -inf (the most surprising: kept)."""
+    cell's token under the counter-causal mask (keys at positions after the token's), from the last
+    layer only. ``query="self"``: the cell's own state queries. ``query="previous"``: the state of
+    position ``p - 1`` queries at position ``p - 1``: ``query_hidden[i]`` (NaN where none was recorded;
+    default: :func:`previous_rows`, i.e. only cells whose predecessor is cached are scored). The
+    predecessor need not be cached: its key is masked anyway. Cells that are not scored get -inf (the
+    most surprising: kept)."""
     import torch
 
     model = last_layer_model(Path(path))
     block = model.blocks[model.args.n_layer - 1]
     pos = torch.from_numpy(positions.astype(np.int64))
     h = torch.from_numpy(hidden)
-    rows, mask = counter_causal_queries(pos, query)
-    offset = 0 if query == "self" else 1
+    if query == "self":
+        rows = torch.arange(len(tokens))
+        qh, q_pos = h, pos
+    else:
+        if query_hidden is None:
+            query_hidden = previous_rows(hidden, positions)
+        rows = torch.from_numpy(np.flatnonzero(~np.isnan(query_hidden[:, 0])))
+        qh, q_pos = torch.from_numpy(np.ascontiguousarray(query_hidden[rows.numpy()])), pos[rows] - 1
+    result = np.full(len(tokens), -np.inf)
+    if rows.numel() == 0:
+        return result
+    mask = pos[None, :] > pos[rows][:, None]  # keys strictly after the scored token
     with torch.no_grad():
         q, k, v = block.qkv(h, pos)
-        mask = model.window_mask(block, mask, pos[rows], pos)
-        out, _ = block.attend(q[:, rows], k, v, mask, None, False)
-        normed = model.head(block.finish(h[rows], out))
-        target = torch.from_numpy(tokens.astype(np.int64))[rows + offset]
+        if query != "self":
+            q = block.qkv(qh, q_pos)[0]
+        mask = model.window_mask(block, mask, q_pos, pos)
+        out, _ = block.attend(q, k, v, mask, None, False)
+        normed = model.head(block.finish(qh, out))
+        target = torch.from_numpy(tokens.astype(np.int64))[rows]
         score = (normed * model.output[target]).sum(-1)
         if proxy == "logprob":
             score = score - logsumexp_rows(normed, model.output)
-    result = np.full(len(tokens), -np.inf)
-    result[(rows + offset).numpy()] = score.numpy()
+    result[rows.numpy()] = score.numpy()
     return result
 
 

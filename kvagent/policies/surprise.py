@@ -40,8 +40,9 @@ class FastSurprise(EvictionPolicy):
     def score(self, view: CacheView) -> np.ndarray:
         def surprise(rows: np.ndarray) -> np.ndarray:
             hidden = view.hidden[rows]  # type: ignore[index]
+            query_hidden = None if view.query_hidden is None else view.query_hidden[rows]
             return -last_layer.counter_causal_scores(
-                view.model_path, hidden, view.positions[rows], view.tokens[rows], self.query, self.proxy
+                view.model_path, hidden, view.positions[rows], view.tokens[rows], self.query, self.proxy, query_hidden
             )
 
         return last_layer.score_captured(view, self.name, surprise)
@@ -95,24 +96,35 @@ class FullSurprise(EvictionPolicy):
         return mirror
 
     def score(self, view: CacheView) -> np.ndarray:
+        """As :func:`~kvagent.policies.last_layer.counter_causal_scores`, through every layer: with
+        ``query="previous"`` the token at ``p - 1`` (``view.previous``, cached or not) queries at
+        position ``p - 1`` the cached keys after ``p``."""
         import torch
 
-        from kvagent.policies.last_layer import counter_causal_queries, logsumexp_rows
+        from kvagent.policies.last_layer import logsumexp_rows, previous_rows
 
         mirror = self.update_mirror(view)
         pos = torch.from_numpy(view.positions.astype(np.int64))
         tokens = torch.from_numpy(view.tokens.astype(np.int64))
-        rows, mask = counter_causal_queries(pos, self.query)
-        offset = 0 if self.query == "self" else 1
+        if self.query == "self":
+            rows = torch.arange(len(view))
+            q_tok, q_pos = tokens, pos
+        else:
+            prev = view.previous if view.previous is not None else previous_rows(view.tokens.astype(np.int64), view.positions)
+            rows = torch.from_numpy(np.flatnonzero(np.asarray(prev) >= 0))
+            q_tok, q_pos = torch.from_numpy(np.asarray(prev, dtype=np.int64))[rows], pos[rows] - 1
+        result = np.full(len(view), np.inf)
+        if rows.numel() == 0:
+            return result
+        mask = pos[None, :] > pos[rows][:, None]
         out = self._model.forward(  # type: ignore[attr-defined]
-            tokens[rows], pos[rows], cache=mirror, mask=mask, append=False, logits="none", gather=tokens[rows + offset]
+            q_tok, q_pos, cache=mirror, mask=mask, append=False, logits="none", gather=tokens[rows]
         )
         score = out.token_logits
         if self.proxy == "logprob":
             score = score - logsumexp_rows(out.hidden, self._model.output)  # type: ignore[attr-defined]
-        result = np.full(len(view), -np.inf)
-        result[(rows + offset).numpy()] = -score.numpy()
-        return np.where(np.isinf(result), np.inf, result)
+        result[rows.numpy()] = -score.numpy()
+        return result
 
     def kept(self, positions: np.ndarray) -> None:
         if self._mirror is None:

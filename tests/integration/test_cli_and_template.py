@@ -16,14 +16,17 @@ def test_help_lists_commands() -> None:
     assert "demo" in result.output and "models" in result.output
 
 
-def test_demo_reports_reuse_per_turn() -> None:
-    result = CliRunner().invoke(app, ["demo", "--max-tokens", "8"])
+def test_demo_compares_each_turn_with_llama_cpp_python() -> None:
+    result = CliRunner().invoke(app, ["demo", "--max-tokens", "8"], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
-    rows = re.findall(r"reused (\d+) tokens from cache, computed (\d+)", result.output)
-    assert len(rows) == 4
-    reused = [int(r) for r, _ in rows]
-    assert reused[0] == 0 and all(r > 0 for r in reused[1:])  # turns 2+ and the 2nd customer hit the cache
-    assert "came from the cache" in result.output
+    ours = [int(n) for n in re.findall(r"kvagent +computed +(\d+) tokens", result.output)]
+    theirs = [int(n) for n in re.findall(r"llama-cpp-python computed +(\d+) tokens", result.output)]
+    assert len(ours) == len(theirs) == 5
+    assert "transplanted from the compiled skill" in result.output and ours[0] < theirs[0]  # the skill was copied
+    assert ours[2] < 80 < theirs[2]  # the field change: an erratum line vs a rewritten system prompt
+    cells = [int(n) for n in re.findall(r"(\d+) KV cells", result.output)]
+    assert max(cells) <= 1024 + 64 + 16  # the eviction budget held (budget + chunk + margin)
+    assert "as many" in result.output
 
 
 def test_unknown_model_in_cli_is_a_clear_error() -> None:

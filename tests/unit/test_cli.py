@@ -12,7 +12,8 @@ from kvagent.cli import app
 
 # (arguments, names the help must list)
 HELP = [
-    (["--help"], ["demo", "models", "bench", "edits", "native", "skills", "reference", "probe", "--verbose"]),
+    (["--help"], ["demo", "models", "bench", "edits", "native", "skills", "reference", "probe", "chat", "--verbose"]),
+    (["chat", "--help"], ["--model", "--skills", "--field", "--policy"]),
     (["bench", "--help"], ["edit", "compose", "backend", "capture", "evict", "concurrency"]),
     (["bench", "concurrency", "--help"], ["--model", "--quick", "--json"]),
     (["bench", "edit", "--help"], ["--model", "--quick", "--cases", "--json"]),
@@ -39,3 +40,10 @@ def test_importing_the_cli_does_not_import_the_benchmarks() -> None:
     code = "import sys, kvagent.cli; print(sorted(m for m in sys.modules if m.startswith('kvagent.bench')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_chat_without_the_desktop_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "langchain_kvagent.desktop", None)  # as if textual were not installed
+    result = CliRunner().invoke(app, ["chat"], env={"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
+    assert result.exit_code == 1
+    assert "pip install -e 'adapters/langchain[desktop]'" in result.output and "Traceback" not in result.output

@@ -271,3 +271,230 @@ def test_a_policy_returning_the_wrong_number_of_scores_is_refused_before_anythin
     with pytest.raises(EvictionError, match="wrong-shape"):
         ev.cycle(0, list(range(8)), list(range(8)), [False] * 8)
     assert backend.removed == [] and ev.cycles == []
+
+
+# --- span-level eviction (issue 13): pure selection logic ----------------------------------------------
+from kvagent.policies.last_layer import previous_rows  # noqa: E402
+from kvagent.policies.spans import Spans, cut_spans, ends_span, reduce_spans, span_ranks  # noqa: E402
+
+# (text, unit, ends)
+ENDS_CASES = [
+    (".", "sentence", True), ("!", "sentence", True), ("?", "sentence", True), (";", "sentence", True),
+    ('."', "sentence", True), (".)", "sentence", True), ("?\u201d", "sentence", True), (". ", "sentence", True),
+    ("\n", "sentence", True), ("\n\n", "sentence", True), ("word\n", "sentence", True),
+    (",", "sentence", False), (",", "clause", True), (":", "clause", True), (":", "sentence", False),
+    (" the", "sentence", False), ("", "sentence", False), (" ", "sentence", False), ('"', "sentence", False),
+    ("4", "sentence", False), ("Mr", "sentence", False),
+]
+
+
+@pytest.mark.parametrize(("text", "unit", "ends"), ENDS_CASES, ids=[f"{c[1]}-{c[0]!r}" for c in ENDS_CASES])
+def test_ends_span(text: str, unit: str, ends: bool) -> None:
+    assert ends_span(text, unit) is ends
+
+
+# (id, texts, positions, pinned indices, unit, block, max_len, expected span ids)
+CUT_CASES = [
+    ("two-sentences", ["The", " code", " is", " 4", ".", " It", " rains", "."], range(8), [], "sentence", 16, 64,
+     [0, 0, 0, 0, 0, 1, 1, 1]),
+    ("newline-ends", ["a", "\n", "b", "c", "\n\n", "d"], range(6), [], "sentence", 16, 64, [0, 0, 1, 1, 1, 2]),
+    ("comma-clause", ["a", ",", "b", ".", "c"], range(5), [], "clause", 16, 64, [0, 0, 1, 1, 2]),
+    ("comma-not-sentence", ["a", ",", "b", ".", "c"], range(5), [], "sentence", 16, 64, [0, 0, 0, 0, 1]),
+    ("max-len", ["a"] * 7, range(7), [], "sentence", 16, 3, [0, 0, 0, 1, 1, 1, 2]),
+    ("pinned-boundary", ["a", "b", "c", "d", "."], range(5), [1, 2], "sentence", 16, 64, [0, 1, 1, 2, 2]),
+    ("blocks-by-position", ["."] * 6, [0, 1, 4, 5, 6, 9], [], "block", 4, 64, [0, 0, 1, 1, 1, 2]),
+    ("blocks-pinned", ["x"] * 4, [0, 1, 2, 3], [2], "block", 4, 64, [0, 0, 1, 2]),
+    ("empty", [], [], [], "sentence", 16, 64, []),
+]
+
+
+@pytest.mark.parametrize(("texts", "positions", "pinned", "unit", "block", "max_len", "expected"),
+                         [c[1:] for c in CUT_CASES], ids=[c[0] for c in CUT_CASES])
+def test_cut_spans(texts: list[str], positions: range, pinned: list[int], unit: str, block: int, max_len: int,
+                   expected: list[int]) -> None:
+    pos = np.asarray(list(positions), dtype=np.int64)
+    mask = np.zeros(pos.size, dtype=bool)
+    mask[pinned] = True
+    assert cut_spans(pos, tuple(texts), mask, unit, block, max_len).tolist() == expected
+
+
+def test_cut_spans_without_texts_falls_back_to_blocks() -> None:
+    pos = np.arange(10, dtype=np.int64)
+    assert cut_spans(pos, None, np.zeros(10, bool), "sentence", 4).tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+
+
+# (id, scores, spans, reduce, k, expected aggregate per span)
+REDUCE_CASES = [
+    ("max", [1, 5, 2, 0, 3], [0, 0, 0, 1, 1], "max", 4, [5, 3]),
+    ("mean", [1, 5, 3, 0, 3], [0, 0, 0, 1, 1], "mean", 4, [3, 1.5]),
+    ("topk-2", [1, 5, 3, 0, 4], [0, 0, 0, 1, 1], "topk", 2, [4, 2]),
+    ("topk-k-above-size", [1, 5], [0, 0], "topk", 9, [3]),
+    ("inf-and-nan-ignored", [np.inf, 2, NAN, 4], [0, 0, 1, 1], "max", 4, [2, 4]),
+    ("no-finite-score", [np.inf, NAN, 1], [0, 0, 1], "mean", 4, [-np.inf, 1]),
+]
+
+
+@pytest.mark.parametrize(("scores", "spans", "reduce", "k", "expected"), [c[1:] for c in REDUCE_CASES],
+                         ids=[c[0] for c in REDUCE_CASES])
+def test_reduce_spans(scores: list[float], spans: list[int], reduce: str, k: int, expected: list[float]) -> None:
+    got = reduce_spans(np.array(scores, float), np.array(spans), reduce, k)
+    assert got.tolist() == pytest.approx(expected)
+
+
+# (id, scores, spans, pinned, budget, reduce, expected kept indices) through select_keep (last cell forced)
+SPAN_SELECT_CASES = [
+    # span 1 (max 9) whole, then span 0 (max 5) whole; the last cell is forced and ends span 2
+    ("whole-spans", [1, 5, 1, 0, 9, 0, 2, 2], [0, 0, 0, 1, 1, 1, 2, 2], [], 7, "max", [0, 1, 2, 3, 4, 5, 7]),
+    # budget 5: last cell (forced), span 1 (3 cells), then one more: the best cell of span 0 (the cut span)
+    ("last-span-cut-keeps-its-best", [1, 5, 1, 0, 9, 0, 2, 2], [0, 0, 0, 1, 1, 1, 2, 2], [], 5, "max",
+     [1, 3, 4, 5, 7]),
+    # by mean span 0 (2.33) beats span 1 (3.0)? no: span 1 wins
+    ("mean-ranks-differently", [1, 5, 1, 3, 3, 3, 0, 0], [0, 0, 0, 1, 1, 1, 2, 2], [], 4, "mean", [3, 4, 5, 7]),
+    ("max-ranks-the-peak", [1, 5, 1, 3, 3, 3, 0, 0], [0, 0, 0, 1, 1, 1, 2, 2], [], 4, "max", [0, 1, 2, 7]),
+    ("ties-later-span-first", [1, 1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 2, 2, 3], [], 3, "max", [4, 5, 6]),
+    ("inf-cell-kept-alone", [np.inf, 0, 0, 5, 5, 0], [0, 0, 0, 1, 1, 2], [], 4, "max", [0, 3, 4, 5]),
+    ("pinned-count-toward-budget", [0, 0, 9, 9, 1, 1, 0], [0, 0, 1, 1, 2, 2, 3], [0, 1], 5, "max",
+     [0, 1, 2, 3, 6]),
+]
+
+
+@pytest.mark.parametrize(("scores", "spans", "pinned", "budget", "reduce", "expected"),
+                         [c[1:] for c in SPAN_SELECT_CASES], ids=[c[0] for c in SPAN_SELECT_CASES])
+def test_span_selection(scores: list[float], spans: list[int], pinned: list[int], budget: int, reduce: str,
+                        expected: list[int]) -> None:
+    mask = np.zeros(len(scores), dtype=bool)
+    mask[pinned] = True
+    ranked = span_ranks(np.array(scores, float), np.array(spans), reduce)
+    assert select_keep(ranked, mask, budget).tolist() == expected
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("reduce", ["max", "mean", "topk"])
+def test_spans_are_kept_whole_but_one_and_the_budget_is_exact(seed: int, reduce: str) -> None:
+    rng = np.random.default_rng(seed)
+    n, budget = 300, 101
+    spans = np.cumsum(rng.random(n) < 0.15)
+    spans -= spans[0]
+    scores = rng.normal(size=n)
+    keep = select_keep(span_ranks(scores, spans, reduce), np.zeros(n, bool), budget)
+    assert keep.size == budget
+    kept = np.zeros(n, bool)
+    kept[keep] = True
+    kept_free = kept.copy()
+    kept_free[-1] = False  # the forced last cell may split the last span
+    partial = [j for j in np.unique(spans) if 0 < kept_free[spans == j].sum() < (spans == j).sum()]
+    assert len(partial) <= 2  # the span cut at the budget (and the last span, split by the forced cell)
+
+
+def test_spans_wrapper_names_and_hidden_follow_the_inner_policy() -> None:
+    inner = Constant()
+    wrapped = Spans(inner, "block", "max", block=2)
+    assert (wrapped.name, wrapped.needs_hidden) == ("constant-block", True)
+    scores = wrapped.score(view(6))  # positions 0, 2, ..., 10 -> blocks of 2 positions: one cell each
+    assert np.argsort(scores).tolist() == [5, 4, 3, 2, 1, 0]  # Constant prefers the oldest
+    wrapped.kept(np.array([0, 2]))
+    assert inner.told == [[0, 2]]
+    with pytest.raises(ValueError, match="unit"):
+        Spans(inner, "paragraph")
+    with pytest.raises(ValueError, match="reduce"):
+        Spans(inner, reduce="median")
+
+
+# --- the counter-causal query row of each cell (the eviction bug of issue 13) --------------------------
+# (positions, expected index of the row that holds position p - 1 in the view, -1 when not cached)
+PREVIOUS_CASES = [
+    ([0, 1, 2, 3], [-1, 0, 1, 2]),
+    ([0, 1, 5, 6, 9], [-1, 0, -1, 2, -1]),  # after evictions the previous cell is not the predecessor
+    ([3], [-1]),
+    ([], []),
+]
+
+
+@pytest.mark.parametrize(("positions", "expected"), PREVIOUS_CASES)
+def test_previous_rows_only_where_the_predecessor_is_cached(positions: list[int], expected: list[int]) -> None:
+    pos = np.array(positions, dtype=np.int64)
+    assert previous_rows(np.arange(pos.size, dtype=np.int64), pos).tolist() == expected
+    hidden = np.arange(pos.size * 2, dtype=np.float32).reshape(pos.size, 2)
+    got = previous_rows(hidden, pos)
+    for i, j in enumerate(expected):
+        assert np.isnan(got[i]).all() if j < 0 else np.array_equal(got[i], hidden[j])
+
+
+class Recording(EvictionPolicy):
+    name = "recording"
+    needs_hidden = True
+
+    def __init__(self) -> None:
+        self.views: list[CacheView] = []
+
+    def score(self, v: CacheView) -> np.ndarray:
+        self.views.append(v)
+        return v.positions.astype(np.float64)  # a window
+
+
+class RecordingCapture(FakeCapture):
+    enabled = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[np.ndarray] = []
+
+    def clear(self) -> None:
+        self.rows = []
+
+    def take(self) -> dict[str, list[np.ndarray]]:
+        return {f"l_out-{FakeBackend.n_layer - 2}": self.rows}
+
+
+class DecodingBackend(FakeBackend):
+    """Decode records one hidden row per token (its position in both columns); token texts known."""
+
+    n_vocab = 8
+
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]) -> np.ndarray:
+        self.capture.rows.append(np.array([[p, p] for p in positions], dtype=np.float32))  # type: ignore[union-attr]
+        return np.zeros((sum(outputs), self.n_vocab), np.float32)
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"." if token % 5 == 4 else f" t{token}".encode()
+
+
+def test_the_evictor_keeps_the_query_state_of_an_evicted_predecessor() -> None:
+    capture = RecordingCapture()
+    backend = DecodingBackend(capture=capture)  # type: ignore[arg-type]
+    policy = Recording()
+    ev = Evictor(Eviction(policy, budget=6, chunk=4), backend, Path("m.gguf"))  # type: ignore[arg-type]
+    ev.decode(list(range(100, 110)), list(range(10)), 0, [False] * 10)
+    ev.cycle(0, list(range(100, 110)), list(range(10)), [p in (2,) for p in range(10)])  # keeps 2, 5..9
+    ev.decode([110, 111], [10, 11], 0, [False, True])
+    cells = [2, 5, 6, 7, 8, 9, 10, 11]
+    ev.cycle(0, [100 + p for p in cells], cells, [False] * len(cells))
+    v = policy.views[-1]
+    assert v.positions.tolist() == cells
+    # the state at p - 1 of every cell, cached (6..10) or evicted (1, 4): all but none are recorded
+    assert v.query_hidden is not None
+    assert [None if np.isnan(r[0]) else int(r[0]) for r in v.query_hidden] == [1, 4, 5, 6, 7, 8, 9, 10]
+    assert v.previous is not None and v.previous.tolist() == [101, 104, 105, 106, 107, 108, 109, 110]
+    assert v.texts == (" t102", " t105", " t106", " t107", " t108", ".", " t110", " t111")
+
+
+# --- blobs record evicted positions ---------------------------------------------------------------------
+def test_a_blob_records_evicted_positions_and_refuses_impossible_ones() -> None:
+    import json
+    import struct
+
+    from kvagent.errors import KVBlobError
+    from kvagent.kvblob import MAGIC, KVBlob
+
+    blob = KVBlob("m", "f", (1, 2, 3, 4), b"payload", b"", (1, 2)).to_bytes()
+    assert KVBlob.from_bytes(blob, model_fingerprint="m", backend_format="f").evicted == (1, 2)
+    plain = KVBlob("m", "f", (1, 2), b"p").to_bytes()
+    assert b"evicted" not in plain  # blobs without eviction keep the old header
+    assert KVBlob.from_bytes(plain, model_fingerprint="m", backend_format="f").evicted == ()
+    (hlen,) = struct.unpack("<I", blob[4:8])
+    header = json.loads(blob[8 : 8 + hlen])
+    header["evicted"] = [7]
+    raw = json.dumps(header).encode()
+    with pytest.raises(KVBlobError, match="corrupt"):
+        KVBlob.from_bytes(MAGIC + struct.pack("<I", len(raw)) + raw + blob[8 + hlen:], model_fingerprint="m",
+                          backend_format="f")

@@ -1,4 +1,5 @@
-"""Layering: product code never imports the benchmarks (``kvagent.bench``).
+"""Layering: product code never imports the benchmarks (``kvagent.bench``); only the llama.cpp backend imports
+``llama_cpp``; module dependencies run one way.
 
 Every module under ``kvagent/`` is parsed (not imported) and each of its imports, at the top or inside a
 function, is resolved to absolute module names. Only the benchmarks themselves (``kvagent/bench/``) and
@@ -86,6 +87,14 @@ def test_every_module_is_walked() -> None:
 def test_product_module_does_not_import_bench(path: str) -> None:
     found = bench_imports((PACKAGE.parent / path).read_text(encoding="utf-8"), path)
     assert not found, "product code must not import kvagent.bench (move what it needs out of bench/):\n" + "\n".join(found)
+
+
+def test_only_the_llama_cpp_backend_imports_llama_cpp() -> None:
+    """One module owns the native bindings (its baseline chat for comparisons included)."""
+    found = sorted(f"{path}:{line}: {name}" for path in MODULES if path != "kvagent/backends/llama_cpp.py"
+                   for line, name in imported((PACKAGE.parent / path).read_text(encoding="utf-8"), path)
+                   if name == "llama_cpp" or name.startswith("llama_cpp."))
+    assert not found, "only kvagent/backends/llama_cpp.py may import llama_cpp:\n" + "\n".join(found)
 
 
 def dependency_graph() -> dict[str, set[str]]:

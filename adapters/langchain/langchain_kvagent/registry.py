@@ -1,0 +1,328 @@
+"""Process-wide engines, and the sessions chat models open on them.
+
+One :class:`EngineSlot` per :class:`EngineKey` (model and engine settings); its engine loads on first use,
+so constructing a chat model never loads weights. A slot holds every session that chat models opened on its
+engine, as :class:`SessionEntry` keyed by (owner, session key): each chat model instance is one owner, so
+two instances never share a conversation. When the engine runs short of free sequences (one is kept free
+for skill transplants), the least recently used idle session is closed; its entry stays, with its field
+values and skills, and its conversation is rebuilt from the history the client resends on its next call.
+
+Invariant: an entry's :class:`~kvagent.messages.MessageLog` describes the message segments its session
+holds, because every change the adapter makes to a session happens while holding the entry's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
+
+from kvagent.aio import AsyncSession
+from kvagent.engine import Engine
+from kvagent.messages import ChatMessage, MessageLog, is_message_segment
+from kvagent.segments import Segment
+
+if TYPE_CHECKING:
+    from kvagent.eviction import Eviction
+    from kvagent.fields import FieldSpec
+    from kvagent.generation import Generation
+    from kvagent.session import Session
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# sequences kept free when a session opens: one for the new session's own work, one scratch sequence
+# for skill transplants and KV splices
+_KEEP_FREE = 2
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """What makes two chat models share an engine: the model and the engine settings they name."""
+
+    model: str
+    n_ctx: int
+    n_seq_max: int
+    n_gpu_layers: int
+    capture: str = "none"
+
+    def load(self) -> Engine:
+        return Engine.load(self.model, n_ctx=self.n_ctx, n_seq_max=self.n_seq_max, n_gpu_layers=self.n_gpu_layers,
+                           capture=self.capture)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What one generation cost, with the adapter's own edits and includes since the previous turn.
+
+    ``reused + computed + transplanted == input_tokens`` (the whole prompt); ``computed`` counts the
+    tokens of errata and included skills the adapter decoded for this turn before generating.
+    """
+
+    input_tokens: int
+    reused: int
+    computed: int
+    transplanted: int
+    output_tokens: int
+    finish_reason: str
+    ttft_s: float
+    total_s: float
+
+    @property
+    def cache_read(self) -> int:
+        """Prompt tokens whose KV was not computed for this turn: reused from the cache or transplanted."""
+        return self.reused + self.transplanted
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second after the first one."""
+        span = self.total_s - self.ttft_s
+        return (self.output_tokens - 1) / span if self.output_tokens > 1 and span > 0 else 0.0
+
+    @classmethod
+    def of(cls, gen: Generation, pending_computed: int, pending_transplanted: int) -> Turn:
+        prompt = gen.reused + gen.computed + gen.transplanted
+        computed = min(prompt, gen.computed + pending_computed)
+        transplanted = min(prompt - computed, gen.transplanted + pending_transplanted)
+        return cls(prompt, prompt - computed - transplanted, computed, transplanted, gen.generated,
+                   gen.finish_reason, gen.ttft_s, gen.total_s)
+
+
+@dataclass
+class SessionEntry:
+    """One conversation of one chat model: its session (None while closed) and what rebuilds it.
+
+    ``prologue``: the chat model's own policy and skill segments (resolved once); ``skills``: skills
+    included later; ``values``: field values a fresh prompt renders (a session holding a conversation
+    keeps its own, errata included).
+    """
+
+    owner: str
+    key: str
+    specs: tuple[FieldSpec, ...]
+    values: dict[str, object]
+    prologue: list[Segment] | None = None
+    skills: list[Segment] = field(default_factory=list)
+    eviction: Eviction | None = None
+    session: Session | None = None
+    log: MessageLog = field(default_factory=MessageLog)
+    turns: list[Turn] = field(default_factory=list)
+    pending_computed: int = 0
+    pending_transplanted: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    orphaned: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # -- the lock: every adapter change to the session happens while holding it -------------------
+    # (acquire / release pairs, not context-manager generators: an async generator abandoned mid-stream is
+    # closed by the event loop's finalizer, where nested generator-based context managers misbehave)
+    def acquire(self) -> SessionEntry:
+        self._lock.acquire()
+        self.last_used = time.monotonic()
+        return self
+
+    async def aacquire(self) -> SessionEntry:
+        """The lock, awaited: taken at once when free, else in a thread (the loop never blocks on it)."""
+        if not self._lock.acquire(blocking=False):
+            waiting = asyncio.get_running_loop().run_in_executor(None, self._lock.acquire)
+            try:
+                await asyncio.shield(waiting)
+            except asyncio.CancelledError:  # the thread still gets the lock: hand it back then
+                waiting.add_done_callback(lambda _: self._lock.release())
+                raise
+        self.last_used = time.monotonic()
+        return self
+
+    def try_acquire(self) -> bool:
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    # -- the prompt ------------------------------------------------------------------------------
+    @property
+    def live(self) -> Session:
+        if self.session is None or self.session.closed:
+            raise RuntimeError("session entry used while closed (internal error)")
+        return self.session
+
+    def asession(self) -> AsyncSession:
+        return AsyncSession(self.live, self.live._scheduler)
+
+    @property
+    def fresh(self) -> bool:
+        """The session holds no conversation yet: fields and skills still go into the prompt's head."""
+        return self.session is None or not any(is_message_segment(s) for s in self.session.segments)
+
+    def field_values(self) -> dict[str, object]:
+        return dict(self.values) if self.fresh else {**self.values, **self.live.field_values}
+
+    def static(self) -> list[Segment]:
+        """Segments the adapter adds after the leading system messages: policy, skills, fields."""
+        fields = [spec.segment(self.values.get(spec.name, spec.initial)) for spec in self.specs]
+        return [*(self.prologue or []), *self.skills, *fields]
+
+    def plan(self, messages: Sequence[ChatMessage]) -> list[Segment]:
+        return self.log.plan(self.live.segments, messages, self.static())
+
+    def commit(self, messages: Sequence[ChatMessage], gen: Generation) -> Turn:
+        """The generation's reply joins the history; returns the turn's cost."""
+        self.log.commit([*messages, ChatMessage("assistant", gen.prefix + gen.text)])
+        turn = Turn.of(gen, self.pending_computed, self.pending_transplanted)
+        self.pending_computed = self.pending_transplanted = 0
+        self.turns.append(turn)
+        return turn
+
+    def charge(self, computed: int, transplanted: int = 0) -> None:
+        """Tokens an edit or include decoded (or transplanted) for the next turn."""
+        self.pending_computed += computed
+        self.pending_transplanted += transplanted
+
+    def forget(self) -> None:
+        """The session was closed: keep what rebuilds the prompt, drop what described its cache."""
+        if self.session is not None and not self.fresh:
+            self.values.update({k: v for k, v in self.session.field_values.items() if k in self.values})
+        self.session = None
+        self.log = MessageLog()
+        self.pending_computed = self.pending_transplanted = 0
+
+
+class EngineSlot:
+    """One engine (loaded on first use) and the session entries on it."""
+
+    def __init__(self, key: EngineKey) -> None:
+        self.key = key
+        self.engine: Engine | None = None
+        self._load_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str], SessionEntry] = {}
+
+    @property
+    def loaded(self) -> bool:
+        return self.engine is not None
+
+    def load(self) -> Engine:
+        """The engine, loaded once (concurrent callers wait for the one load)."""
+        if self.engine is None:
+            with self._load_lock:
+                if self.engine is None:
+                    self.engine = self.key.load()
+                    log.info("loaded %s for the LangChain adapter (%s)", self.engine.model.name, self.key)
+        return self.engine
+
+    def on_worker(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine's worker thread, in line with every other native call."""
+        def work() -> Iterator[None]:
+            return fn()  # type: ignore[return-value]
+            yield  # pragma: no cover
+        engine = self.load()
+        return engine.scheduler.run(None, work())  # type: ignore[arg-type, no-any-return]
+
+    # -- entries -----------------------------------------------------------------------------------
+    def find(self, owner: str, key: str) -> SessionEntry | None:
+        return self._entries.get((owner, key))
+
+    def entry(self, owner: str, key: str, make: Callable[[], SessionEntry]) -> SessionEntry:
+        with self._lock:
+            found = self._entries.get((owner, key))
+            if found is None:
+                found = self._entries[(owner, key)] = make()
+            return found
+
+    def keys(self, owner: str) -> list[str]:
+        return [k for (o, k) in self._entries if o == owner]
+
+    def open(self, entry: SessionEntry, *, edit_strategy: str) -> Session:
+        """Open ``entry``'s session (empty prompt), closing idle ones first when sequences run short.
+        Call while holding ``entry``'s lock."""
+        engine = self.load()
+        while engine.pool.free < _KEEP_FREE and self._reclaim_one():
+            pass
+        entry.session = engine.session([], fields=entry.specs, edit_strategy=edit_strategy, eviction=entry.eviction)
+        entry.log = MessageLog()
+        return entry.session
+
+    def _reclaim_one(self) -> bool:
+        """Close the least recently used idle session (orphaned ones first); False if none is idle."""
+        with self._lock:
+            candidates = sorted((e for e in self._entries.values() if e.session is not None),
+                                key=lambda e: (not e.orphaned, e.last_used))
+        for entry in candidates:
+            if not entry.try_acquire():
+                continue  # in use right now
+            try:
+                if entry.session is None:
+                    continue
+                log.info("closing idle session %r to free a sequence (n_seq_max=%d)", entry.key, self.key.n_seq_max)
+                session = entry.session
+                entry.forget()
+                session.close()
+                if entry.orphaned:
+                    with self._lock:
+                        self._entries.pop((entry.owner, entry.key), None)
+                return True
+            finally:
+                entry.release()
+        return False
+
+    def close_entry(self, owner: str, key: str) -> bool:
+        """Close and forget one session; False if there is none."""
+        with self._lock:
+            entry = self._entries.pop((owner, key), None)
+        if entry is None:
+            return False
+        entry.acquire()
+        try:
+            if entry.session is not None:
+                session = entry.session
+                entry.forget()
+                session.close()
+        finally:
+            entry.release()
+        return True
+
+    def orphan(self, owner: str) -> None:
+        """``owner`` is gone: its sessions are the first to close. Safe from a finalizer (takes no lock)."""
+        for entry in list(self._entries.values()):
+            if entry.owner == owner:
+                entry.orphaned = True
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self._entries.clear()
+
+
+_slots: dict[EngineKey, EngineSlot] = {}
+_slots_lock = threading.Lock()
+
+
+def slot(key: EngineKey) -> EngineSlot:
+    """The slot for ``key`` (created unloaded: nothing is loaded here)."""
+    found = _slots.get(key)
+    if found is None:
+        with _slots_lock:
+            found = _slots.setdefault(key, EngineSlot(key))
+    return found
+
+
+def loaded_engines() -> list[Engine]:
+    return [s.engine for s in list(_slots.values()) if s.engine is not None]
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every engine the adapter loaded (sessions first, then the model)."""
+    with _slots_lock:
+        slots = list(_slots.values())
+        _slots.clear()
+    for s in slots:
+        try:
+            s.close()
+        except Exception as exc:  # at exit: report, keep closing the others
+            log.warning("closing %s failed: %s", s.key, exc)

@@ -1,0 +1,267 @@
+"""``POST /v1/chat/completions``: OpenAI's chat API over kvagent sessions.
+
+A request's messages become the session's prompt through ``kvagent.messages`` (the mapping every adapter
+shares): a client that resends its history has only its new messages appended, so the cached prefix,
+errata and skills stay where they are. Everything is checked before the session changes: the model name,
+what the server cannot honour, and whether the prompt fits (413). A client that goes away cancels its
+generation at the next token, and the turn is rolled back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from kvagent.aio import AsyncGenerationStream
+from kvagent.errors import ContextOverflowError, KVAgentError
+from kvagent.generation import Generation
+from kvagent.messages import ChatMessage
+from kvagent.segments import Segment, common_prefix
+
+from kvagent_server.errors import InvalidRequest, NotFound
+from kvagent_server.schemas import ChatRequest
+from kvagent_server.sessions import Entry
+
+if TYPE_CHECKING:
+    from kvagent_server.app import ServerState
+
+log = logging.getLogger(__name__)
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One checked request: the prompt's segments, its length, the reply budget and sampling."""
+
+    messages: list[ChatMessage]
+    segments: list[Segment]
+    prompt_tokens: int
+    max_tokens: int
+    sampling: dict[str, Any]
+
+
+def session_key(body: ChatRequest, request: Request) -> str | None:
+    """``X-KVAgent-Session`` header, else ``prompt_cache_key``, else ``user``; None: a temporary session."""
+    header = request.headers.get("x-kvagent-session")
+    if header is not None and not (0 < len(header) <= 256):
+        raise InvalidRequest("the X-KVAgent-Session header must hold 1-256 characters", param="X-KVAgent-Session")
+    return header or body.prompt_cache_key or body.user or None
+
+
+def check_request(state: ServerState, body: ChatRequest) -> list[ChatMessage]:
+    """The messages as kvagent's, after refusing what this server cannot do (nothing has changed yet)."""
+    if body.model not in state.model_ids:
+        raise NotFound(f"unknown model {body.model!r}: this server runs {state.model_id!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+    if body.n != 1:
+        raise InvalidRequest(f"n: only 1 choice per request is supported, got {body.n}", param="n")
+    if body.tools:
+        raise InvalidRequest("tools: tool calling is not supported by kvagent serve; send tool results as "
+                             "messages with role 'tool'", param="tools")
+    if body.logprobs:
+        raise InvalidRequest("logprobs: not supported by kvagent serve", param="logprobs")
+    if len(body.stops()) > 4:
+        raise InvalidRequest("stop: at most 4 stop strings", param="stop")
+    messages = []
+    for i, m in enumerate(body.messages):
+        text = m.text()
+        if text is None:
+            raise InvalidRequest(f"messages.{i}.content: a message needs text content (tool calls are not "
+                                 "supported)", param=f"messages.{i}.content")
+        role = "system" if m.role == "developer" else m.role
+        messages.append(ChatMessage(role, text, m.name))  # type: ignore[arg-type]
+    return messages
+
+
+def plan(entry: Entry, messages: list[ChatMessage]) -> list[Segment]:
+    """The prompt for ``messages``: ``MessageLog.plan``, except that a session holding only the server's own
+    segments (policy, fields, errata, skills) and no message yet gets the messages appended after them,
+    errata included, instead of a rebuild (which would fold the errata back into the fields)."""
+    assert entry.session is not None
+    return entry.log.plan(list(entry.session.segments), messages, entry.static)
+
+
+def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: ChatRequest) -> tuple[Turn, int]:
+    """The checked turn and the KV cells it may add; 413 when the prompt leaves no room for a reply."""
+    assert entry.session is not None
+    segments = plan(entry, messages)
+    resolved = [entry.turns.resolve(s) for s in segments]
+    tokens = state.renderer.render([*resolved, Segment.reply()]).tokens  # SegmentOrderError -> 422
+    closing = state.renderer.closing_length("assistant") + 1
+    wanted = body.max_completion_tokens or body.max_tokens or state.config.default_max_tokens
+    n_ctx = state.sessions.n_ctx
+    if entry.options.eviction is None:
+        room = n_ctx - len(tokens) - closing
+        if room < 1:
+            raise ContextOverflowError(
+                f"the prompt is {len(tokens)} tokens and the context {n_ctx}: no room for a reply; shorten the "
+                "messages or start a new session (nothing was changed)")
+        max_tokens = min(wanted, room)
+    else:
+        max_tokens = wanted
+    cached = common_prefix(entry.session.tokens, tokens)
+    cells = len(tokens) - cached + max_tokens + closing
+    if entry.options.eviction is not None:
+        cells = min(cells, entry.options.eviction.budget + entry.options.eviction.chunk + closing)
+    sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
+                "stop": body.stops()}
+    return Turn(messages, segments, len(tokens), max_tokens, sampling), cells
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    prompt = gen.reused + gen.computed + gen.transplanted
+    return {"prompt_tokens": prompt, "completion_tokens": gen.generated, "total_tokens": prompt + gen.generated,
+            "prompt_tokens_details": {"cached_tokens": gen.reused + gen.transplanted}}
+
+
+def record(state: ServerState, entry: Entry, turn: Turn, gen: Generation) -> None:
+    """The turn is in the session: log its messages and reply, count it."""
+    entry.log.commit([*turn.messages, ChatMessage("assistant", gen.prefix + gen.text)])
+    state.metrics.count_generation(gen.reused, gen.computed, gen.transplanted, gen.generated, gen.ttft_s)
+    if entry.session is not None:
+        evicted = sum(len(c.evicted) for c in entry.session.cycles)
+        state.metrics.evicted_cells.inc(max(0, evicted - entry.evicted_seen))
+        entry.evicted_seen = evicted
+
+
+async def complete(state: ServerState, body: ChatRequest, request: Request) -> Response:
+    messages = check_request(state, body)
+    key = session_key(body, request)
+    stack = AsyncExitStack()
+    entry = await stack.enter_async_context(state.sessions.use(key))
+    try:
+        turn, cells = fit(state, entry, messages, body)
+        if body.stream:
+            await state.sessions.make_room(entry, cells)
+    except BaseException:
+        await stack.aclose()
+        raise
+    ident = f"chatcmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _TurnStream(state, entry, turn, stack, ident, include_usage)
+    async with stack:
+        gen = await state.sessions.with_room(entry, cells, lambda: _generate_unless_gone(state, entry, turn, request))
+        if gen is None:  # the client went away: the generation was cancelled and rolled back
+            return Response(status_code=499)
+        record(state, entry, turn, gen)
+    return JSONResponse({
+        "id": ident, "object": "chat.completion", "created": int(time.time()), "model": state.model_id,
+        "system_fingerprint": state.fingerprint,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": None,
+                     "finish_reason": FINISH.get(gen.finish_reason, gen.finish_reason)}],
+        "usage": usage(gen),
+    })
+
+
+async def _generate_unless_gone(state: ServerState, entry: Entry, turn: Turn, request: Request) -> Generation | None:
+    assert entry.session is not None
+    work = asyncio.ensure_future(entry.session.arespond(turn.segments, turn.max_tokens, **turn.sampling))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        try:
+            await work  # returns once the turn is rolled back
+        except (asyncio.CancelledError, KVAgentError):
+            pass
+        state.metrics.cancelled.inc()
+        log.info("client left: generation for session %r cancelled and rolled back", entry.key)
+        return None
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _TurnStream(EventSourceResponse):
+    """The reply as server-sent events, holding the session until the stream ends however it ends.
+
+    A client that disconnects cancels the events task: leaving ``astream``'s block cancels the generation,
+    which rolls its turn back; the response's own ``__call__`` then waits for that and releases the session
+    (also when the client left before the first event).
+    """
+
+    def __init__(self, state: ServerState, entry: Entry, turn: Turn, stack: AsyncExitStack, ident: str,
+                 include_usage: bool) -> None:
+        self.state, self.entry, self.turn, self.stack = state, entry, turn, stack
+        self.ident, self.include_usage = ident, include_usage
+        self.created = int(time.time())
+        self.stream: AsyncGenerationStream | None = None
+        self.recorded = False
+        super().__init__(self._events(), ping=15)
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, str]:
+        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra)
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, str]:
+        body = {"id": self.ident, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.state.model_id, "system_fingerprint": self.state.fingerprint, "choices": choices, **extra}
+        return {"data": json.dumps(body)}
+
+    async def _events(self) -> AsyncIterator[dict[str, str]]:
+        session = self.entry.session
+        assert session is not None
+        turn = self.turn
+        yield self._chunk({"role": "assistant", "content": ""})
+        try:
+            async with session.astream(turn.max_tokens, segments=turn.segments, **turn.sampling) as stream:
+                self.stream = stream
+                async for piece in stream:
+                    yield self._chunk({"content": piece})
+        except KVAgentError as exc:  # the turn was rolled back; the status line is already sent
+            yield {"data": json.dumps({"error": {"message": str(exc), "type": type(exc).__name__, "param": None,
+                                                 "code": None}})}
+            yield {"data": "[DONE]"}
+            return
+        gen = stream.result
+        assert gen is not None
+        self._record(gen)
+        extra = {"usage": None} if self.include_usage else {}
+        yield self._chunk({}, FINISH.get(gen.finish_reason, gen.finish_reason), **extra)
+        if self.include_usage:
+            yield self._event([], usage=usage(gen))
+        yield {"data": "[DONE]"}
+
+    def _record(self, gen: Generation) -> None:
+        if not self.recorded:
+            self.recorded = True
+            record(self.state, self.entry, self.turn, gen)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self._release())
+
+    async def _release(self) -> None:
+        stream = self.stream
+        try:
+            if stream is not None:
+                await stream.aclose()  # returns once a cancelled generation is rolled back
+                if stream.result is not None:
+                    self._record(stream.result)  # it finished before the client left: the turn is kept
+                elif not self.recorded:
+                    self.state.metrics.cancelled.inc()
+                    log.info("client left: stream for session %r cancelled and rolled back", self.entry.key)
+        finally:
+            await self.stack.aclose()

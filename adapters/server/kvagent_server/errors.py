@@ -1,0 +1,44 @@
+"""The server's refusals, each with its HTTP status; raised before any session or KV changes."""
+
+from __future__ import annotations
+
+
+class ServerError(Exception):
+    """A refusal with an HTTP status and an OpenAI-style error ``type`` / ``param``."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class InvalidRequest(ServerError):
+    """A request the schema accepts but the server cannot serve as asked (422, naming the field)."""
+
+    status = 422
+
+
+class NotFound(ServerError):
+    """An unknown session, model or skill (404)."""
+
+    status = 404
+
+
+class Conflict(ServerError):
+    """A session id that is already taken (409)."""
+
+    status = 409
+
+
+class Busy(ServerError):
+    """Every sequence or KV cell is held by a session that is working and none is idle to park (503);
+    the response carries ``Retry-After``."""
+
+    status = 503
+    kind = "server_busy"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, code="no_capacity")
+        self.retry_after_s = retry_after_s

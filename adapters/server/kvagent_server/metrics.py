@@ -1,0 +1,61 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    """Counters, histograms and gauges; gauges of state read their value when scraped."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("kvagent_prompt_tokens", "Prompt tokens of generations, by where their KV came "
+                                     "from (reused: cached, transplanted: compiled skills, computed: prefilled).",
+                                     ["kind"], registry=r)
+        self.generated_tokens = Counter("kvagent_generated_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram("kvagent_ttft_seconds", "Time from a generation's start to its first token "
+                              "(server side).", buckets=TTFT_BUCKETS, registry=r)
+        self.request_time = Histogram("kvagent_request_seconds", "Time to serve a request, streams to their last "
+                                      "event.", ["route"], buckets=REQUEST_BUCKETS, registry=r)
+        self.responses = Counter("kvagent_responses", "Responses by status code.", ["code"], registry=r)
+        self.errata = Counter("kvagent_errata", "Errata appended by field edits.", registry=r)
+        self.evicted_cells = Counter("kvagent_evicted_cells", "KV cells removed by sessions' eviction cycles.",
+                                     registry=r)
+        self.parked = Counter("kvagent_parks", "Sessions parked (saved, sequence freed).", registry=r)
+        self.restored = Counter("kvagent_restores", "Parked sessions restored on their next request.", registry=r)
+        self.cancelled = Counter("kvagent_cancelled_generations", "Generations cancelled (client gone) and rolled "
+                                 "back.", registry=r)
+        self.sessions = Gauge("kvagent_sessions", "Sessions by state (active: holding a sequence; parked).", ["state"],
+                              registry=r)
+        self.kv_cells_used = Gauge("kvagent_kv_cells_used", "KV cells held by live sessions (shared prefixes once).",
+                                   registry=r)
+        self.kv_cells_total = Gauge("kvagent_kv_cells_total", "Size of the KV pool.", registry=r)
+        self.requests_running = Gauge("kvagent_requests_running", "Requests working on a session now.", registry=r)
+        self.requests_waiting = Gauge("kvagent_requests_waiting", "Requests waiting for their session or for room.",
+                                      registry=r)
+
+    def watch(self, *, active: Callable[[], float], parked: Callable[[], float], cells: Callable[[], float],
+              total: int) -> None:
+        """Read the state gauges from these callables at scrape time."""
+        self.sessions.labels("active").set_function(active)
+        self.sessions.labels("parked").set_function(parked)
+        self.kv_cells_used.set_function(cells)
+        self.kv_cells_total.set(total)
+
+    def count_generation(self, reused: int, computed: int, transplanted: int, generated: int, ttft_s: float) -> None:
+        self.prompt_tokens.labels("reused").inc(reused)
+        self.prompt_tokens.labels("computed").inc(computed)
+        self.prompt_tokens.labels("transplanted").inc(transplanted)
+        self.generated_tokens.inc(generated)
+        if generated:
+            self.ttft.observe(ttft_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,361 @@
+"""Remote engines: kvagent's segments, fields and errata against an OpenAI-compatible server elsewhere.
+
+For users who outgrow one machine: vLLM and SGLang cache KV by *exact prefix* (automatic prefix caching),
+so what they reuse depends on the request's text staying byte-identical turn after turn. A
+:class:`RemoteSession` keeps the prompt as kvagent segments and renders each as one chat message (policy,
+fields, skills and memory as system messages, in order; turns as user / assistant messages). Changing a
+field appends an erratum message instead of rewriting the field (source paper A, "Models take notes during
+prefill", DESIGN.md), so every message already sent stays as it was: the messages of turn k are those of
+turn k-1, then the reply, then whatever was added. :meth:`RemoteSession.messages` is exactly what is sent.
+
+Token budgets are counted locally before anything is sent (``kvagent_server.tokens``): exactly, with the
+model's own GGUF; else estimated with tiktoken. A prompt that does not fit raises
+:class:`~kvagent.errors.ContextOverflowError` and nothing is sent.
+
+    engine = RemoteEngine("http://127.0.0.1:8001/v1", "smollm2-135m", n_ctx=4096, tokenizer="smollm2-135m")
+    session = engine.session([Segment.policy("Be brief."), Segment.field("order_status", "processing")])
+    session.set("order_status", "shipped")          # an erratum message; the prefix stays byte-identical
+    reply = session.chat("Can I cancel?", max_tokens=64)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import httpx
+
+from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedError
+from kvagent.fields import FieldSpec, check_changes
+from kvagent.segments import DEFAULT_ERRATUM_TEMPLATE, Segment, SegmentKind, validate_order
+from kvagent.skills.spec import SkillSpec
+
+from kvagent_server.tokens import Message, TokenCounter, counter_for
+
+
+class RemoteError(KVAgentError):
+    """The remote server refused a request or could not be reached; the message quotes its answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RemoteGeneration:
+    """One reply and what it cost. ``prompt_tokens`` is the local count; ``server_prompt_tokens`` and
+    ``cached_tokens`` are what the server reported (None where it reports nothing, e.g. llama-cpp-python's
+    server reports no cached tokens, and nothing at all in a stream)."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int | None
+    server_prompt_tokens: int | None
+    cached_tokens: int | None
+    ttft_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class RemoteEdit:
+    """What a field change did to the request: ``kept`` messages stay byte-identical (the cacheable prefix)."""
+
+    strategy: str
+    fields: tuple[str, ...]
+    kept: int
+    messages: int
+
+
+class RemoteEngine:
+    """An OpenAI-compatible server (``base_url`` ending in ``/v1``) serving ``model`` with a context of
+    ``n_ctx`` tokens. ``tokenizer``: the model's GGUF (registry name or path; exact counts), a
+    :class:`~kvagent_server.tokens.TokenCounter`, or None (a tiktoken estimate). ``client``: an
+    ``httpx.Client`` to send with (proxies, TLS, event hooks); default: one made here."""
+
+    def __init__(self, base_url: str, model: str, n_ctx: int, api_key: str | None = None, *,
+                 tokenizer: str | Path | TokenCounter | None = None, timeout_s: float = 600.0,
+                 erratum_template: str = DEFAULT_ERRATUM_TEMPLATE, headers: Mapping[str, str] | None = None,
+                 client: httpx.Client | None = None) -> None:
+        if n_ctx < 1:
+            raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+        self.base_url, self.model, self.n_ctx = base_url.rstrip("/"), model, n_ctx
+        self.counter = counter_for(tokenizer)
+        self._owns_counter = self.counter is not tokenizer
+        self.erratum_template = erratum_template
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = client or httpx.Client(timeout=timeout_s)
+        self._client.base_url = httpx.URL(self.base_url + "/")
+        self._client.headers.update({**auth, **(headers or {})})
+
+    def session(self, segments: Sequence[Segment] = (), *, fields: Sequence[FieldSpec] = ()) -> RemoteSession:
+        """A conversation whose prompt is ``segments`` (validated as kvagent validates a prompt)."""
+        return RemoteSession(self, segments, fields)
+
+    def post(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = self._client.post("chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise RemoteError(f"{self.base_url} could not be reached: {exc}") from exc
+        _check(response)
+        return response.json()  # type: ignore[no-any-return]
+
+    def stream(self, body: dict[str, Any]) -> Any:
+        return self._client.stream("POST", "chat/completions", json=body)
+
+    def close(self) -> None:
+        self._client.close()
+        close = getattr(self.counter, "close", None)
+        if self._owns_counter and close is not None:
+            close()
+
+    def __enter__(self) -> RemoteEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RemoteSession:
+    """Session's verbs against a remote server; the prompt stays local as segments (see the module docstring).
+
+    A reply joins the prompt only once it is complete (a failed or abandoned call leaves it as it was).
+    """
+
+    def __init__(self, engine: RemoteEngine, segments: Sequence[Segment], fields: Sequence[FieldSpec]) -> None:
+        self.engine = engine
+        segments = list(segments)
+        if segments:
+            validate_order(segments)
+        self._segments = segments
+        self._specs = {spec.name: spec for spec in fields}
+        self._closed = False
+
+    # -- state ------------------------------------------------------------------------------------
+    segments = property(lambda self: tuple(self._segments))
+    closed = property(lambda self: self._closed)
+
+    @property
+    def field_values(self) -> dict[str, object]:
+        return {str(s.name): s.value for s in self._segments if s.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM)}
+
+    def messages(self, segments: Sequence[Segment] | None = None) -> list[Message]:
+        """The chat messages sent for ``segments`` (default: the prompt as it is): one per segment."""
+        return [_message(s) for s in (self._segments if segments is None else segments)]
+
+    def count(self, segments: Sequence[Segment] | None = None) -> int:
+        """Prompt tokens of the request for ``segments`` (with the reply's opening), counted locally."""
+        return self.engine.counter.count(self.messages(segments))
+
+    # -- prompt -----------------------------------------------------------------------------------
+    def extend(self, *segments: Segment) -> None:
+        self.replace([*self._segments, *segments])
+
+    def replace(self, segments: Sequence[Segment]) -> None:
+        """Make ``segments`` the prompt (validated first; nothing is sent until the next generation)."""
+        self._check_open()
+        segments = list(segments)
+        validate_order(segments)
+        self._segments = segments
+
+    def include(self, skill: SkillSpec) -> None:
+        """A skill as text: one system message at the end of the prompt."""
+        self.extend(skill.segment())
+
+    def set(self, name: str, value: object, *, strategy: str = "erratum") -> RemoteEdit:
+        return self.set_many({name: value}, strategy=strategy)
+
+    def set_many(self, changes: Mapping[str, object], *, strategy: str = "erratum") -> RemoteEdit:
+        """Change fields: ``erratum`` appends one message per field (every earlier message stays
+        byte-identical); ``inplace`` rewrites the field where it stands (the prefix changes from there:
+        what edits inside a prefix cost a prefix cache; for comparison)."""
+        self._check_open()
+        checked = check_changes(self._segments, self._specs, changes)
+        before = self.messages()
+        if strategy == "erratum":
+            template = self.engine.erratum_template
+            self._segments = [*self._segments, *(Segment.erratum(n, v, template=template) for n, v in checked.items())]
+        elif strategy == "inplace":
+            kept = [s for s in self._segments if not (s.kind is SegmentKind.ERRATUM and s.name in checked)]
+            self._segments = [s.with_value(checked[str(s.name)]) if s.kind is SegmentKind.FIELD and s.name in checked
+                              else s for s in kept]
+        else:
+            raise KVAgentError(f"unknown remote edit strategy {strategy!r}: use erratum or inplace")
+        after = self.messages()
+        kept = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+        return RemoteEdit(strategy, tuple(checked), kept, len(after))
+
+    # -- generation -------------------------------------------------------------------------------
+    def chat(self, user_text: str, max_tokens: int = 128, **sampling: Any) -> RemoteGeneration:
+        return self.generate(max_tokens, user=user_text, **sampling)
+
+    def generate(self, max_tokens: int = 128, *, user: str | None = None, **sampling: Any) -> RemoteGeneration:
+        """The next assistant turn (after a new ``user`` turn when given), in one request."""
+        segments, body, prompt = self._request(max_tokens, user, sampling, stream=False)
+        start = time.perf_counter()
+        data = self.engine.post(body)
+        elapsed = time.perf_counter() - start
+        try:
+            choice = data["choices"][0]
+            text = choice["message"].get("content") or ""
+        except (KeyError, IndexError, TypeError) as exc:
+            raise RemoteError(f"unexpected answer from {self.engine.base_url}: {json.dumps(data)[:300]}") from exc
+        use = data.get("usage") or {}
+        self._segments = [*segments, Segment.assistant(text)]
+        return RemoteGeneration(text, choice.get("finish_reason") or "stop", prompt, use.get("completion_tokens"),
+                                use.get("prompt_tokens"), _cached(use), elapsed, elapsed)
+
+    def stream(self, max_tokens: int = 128, *, user: str | None = None, **sampling: Any) -> RemoteStream:
+        """The next assistant turn as an iterator of text pieces (``.result`` at the end). Closing it early
+        closes the connection (the server stops generating) and the turn does not join the prompt."""
+        segments, body, prompt = self._request(max_tokens, user, sampling, stream=True)
+        return RemoteStream(self, segments, body, prompt)
+
+    def close(self) -> None:
+        """Nothing is held remotely; later calls raise :class:`SessionClosedError`."""
+        self._closed = True
+
+    def __enter__(self) -> RemoteSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError("this remote session is closed: open a new one with engine.session()")
+
+    def _request(self, max_tokens: int, user: str | None, sampling: dict[str, Any],
+                 stream: bool) -> tuple[list[Segment], dict[str, Any], int]:
+        self._check_open()
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        segments = [*self._segments, *([Segment.user(user)] if user is not None else [])]
+        validate_order(segments)
+        messages = self.messages(segments)
+        prompt = self.engine.counter.count(messages)
+        if prompt + max_tokens > self.engine.n_ctx:
+            how = "counted" if self.engine.counter.exact else "estimated"
+            raise ContextOverflowError(
+                f"the prompt is {prompt} tokens ({how} locally) and {max_tokens} more are asked for: more than the "
+                f"context of {self.engine.n_ctx}; shorten the prompt or ask for fewer tokens (nothing was sent)")
+        body: dict[str, Any] = {"model": self.engine.model, "messages": messages, "max_tokens": max_tokens}
+        body.update(_sampling(**sampling))
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return segments, body, prompt
+
+
+class RemoteStream:
+    """Text pieces of one streamed reply; :attr:`result` holds the :class:`RemoteGeneration` at the end."""
+
+    def __init__(self, session: RemoteSession, segments: list[Segment], body: dict[str, Any], prompt: int) -> None:
+        self.session, self._segments, self._body, self._prompt = session, segments, body, prompt
+        self.result: RemoteGeneration | None = None
+        self._iter: Iterator[str] | None = None
+        self._context: Any = None
+
+    def __iter__(self) -> Iterator[str]:
+        if self._iter is None:
+            self._iter = self._run()
+        return self._iter
+
+    def _run(self) -> Iterator[str]:
+        start = time.perf_counter()
+        ttft: float | None = None
+        pieces: list[str] = []
+        finish, use = "stop", {}
+        try:
+            self._context = self.session.engine.stream(self._body)
+            response = self._context.__enter__()
+        except httpx.HTTPError as exc:
+            raise RemoteError(f"{self.session.engine.base_url} could not be reached: {exc}") from exc
+        try:
+            if response.status_code >= 400:
+                response.read()
+                _check(response)
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RemoteError(f"the server failed mid-stream: {chunk['error']}")
+                use = chunk.get("usage") or use
+                for choice in chunk.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece:
+                        if ttft is None:
+                            ttft = time.perf_counter() - start
+                        pieces.append(piece)
+                        yield piece
+                    finish = choice.get("finish_reason") or finish
+        finally:
+            self._context.__exit__(None, None, None)
+        text = "".join(pieces)
+        total = time.perf_counter() - start
+        self.session._segments = [*self._segments, Segment.assistant(text)]
+        first = ttft if ttft is not None else total
+        self.result = RemoteGeneration(text, finish, self._prompt, use.get("completion_tokens"),
+                                       use.get("prompt_tokens"), _cached(use), first, total)
+
+    def close(self) -> None:
+        """Stop early: the connection is closed and the turn does not join the prompt."""
+        if self._iter is not None:
+            self._iter.close()  # type: ignore[attr-defined]
+
+    def __enter__(self) -> RemoteStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _message(segment: Segment) -> Message:
+    """One segment as one chat message: turns keep their role, everything else is a system message."""
+    return {"role": segment.role, "content": segment.text}
+
+
+def _sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+              stop: Sequence[str] = ()) -> dict[str, Any]:
+    """Request fields for the options Session takes (only those that differ from greedy defaults, and
+    ``temperature`` always, since servers' defaults differ)."""
+    out: dict[str, Any] = {"temperature": temperature}
+    if top_p != 1.0:
+        out["top_p"] = top_p
+    if top_k:
+        out["top_k"] = top_k  # an extension vLLM, SGLang and llama.cpp's servers accept
+    if seed is not None:
+        out["seed"] = seed
+    if stop:
+        out["stop"] = list(stop)
+    return out
+
+
+def _cached(use: Mapping[str, Any]) -> int | None:
+    details = use.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return int(value) if value is not None else None
+
+
+def _check(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        detail = response.json()
+        message = (detail.get("error") or {}).get("message") if isinstance(detail, dict) else None
+        message = message or json.dumps(detail)[:500]
+    except ValueError:
+        message = response.text[:500]
+    raise RemoteError(f"{response.request.method} {response.request.url} answered {response.status_code}: {message}",
+                      response.status_code)
+
+
+__all__ = ["RemoteEdit", "RemoteEngine", "RemoteError", "RemoteGeneration", "RemoteSession", "RemoteStream"]

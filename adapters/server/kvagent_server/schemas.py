@@ -1,0 +1,126 @@
+"""Request bodies (pydantic): what ``/v1/chat/completions`` and ``/v1/sessions`` accept.
+
+Chat requests follow OpenAI's chat completions API; fields the server does not use are ignored, fields
+it cannot honour (``n > 1``, tools, logprobs) are refused with 422 naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+
+
+class TextPart(BaseModel):
+    """One part of a message's content; only text parts are understood."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class MessageIn(BaseModel):
+    """One chat message (``developer`` is read as ``system``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """``POST /v1/chat/completions``. Sampling is greedy unless ``temperature`` > 0 (kvagent's default,
+    not OpenAI's 1.0). Session key: ``prompt_cache_key``, else ``user`` (or the ``X-KVAgent-Session``
+    header, which wins)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[MessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=256)
+    tools: list[Any] | None = None
+    logprobs: bool | None = None
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class FieldIn(BaseModel):
+    """A declared field (``kvagent.fields.FieldSpec``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    initial: Any
+    type: Literal["str", "int", "float", "bool"] = "str"
+    allowed: list[Any] | None = None
+    template: str | None = None
+
+
+class EvictionIn(BaseModel):
+    """An eviction policy (``kvagent.eviction.Eviction``): policy name, budget J, chunk h."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = "window"
+    budget: int = Field(1024, ge=2)
+    chunk: int = Field(64, ge=1)
+
+
+class SessionCreate(BaseModel):
+    """``POST /v1/sessions``: the prompt is policy, fields, memory, then the skills (transplanted)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(None, pattern=SESSION_ID)
+    policy: str | None = None
+    fields: list[FieldIn] | dict[str, Any] = Field(default_factory=list)
+    memory: list[str] = Field(default_factory=list)
+    skills: list[str] = Field(default_factory=list)
+    eviction: EvictionIn | None = None
+    edit_strategy: Literal["erratum", "recompute", "field_only", "selective"] = "erratum"
+
+
+class FieldsSet(BaseModel):
+    """``POST /v1/sessions/{id}/fields``: new values, and the edit strategy (default: the session's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    values: dict[str, Any] = Field(min_length=1)
+    strategy: Literal["erratum", "recompute", "field_only", "selective"] | None = None
+
+
+class SkillInclude(BaseModel):
+    """``POST /v1/sessions/{id}/skills``: a skill of the server's ``--skills`` folder, by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str

@@ -1,0 +1,262 @@
+"""``/v1/sessions``: create (policy, fields, memory, skills, eviction), read, set fields, include a skill,
+save / restore, delete.
+
+A save is one binary envelope: a JSON header (segments, fields, options, the messages log) and the
+session's checked KV blob (``Session.save``); restoring it, in this process or another one running the
+same model, gives the session back with its cache. A session that ``session.save()`` refuses is saved
+without KV and prefilled again when restored.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from kvagent.errors import ContextOverflowError, FieldValueError, KVAgentError, KVBlobError
+from kvagent.eviction import Eviction
+from kvagent.fields import FieldSpec
+from kvagent.messages import ChatMessage
+from kvagent.segments import Segment, SegmentKind
+
+from kvagent_server.errors import InvalidRequest, NotFound
+from kvagent_server.schemas import FieldIn, FieldsSet, SessionCreate
+from kvagent_server.sessions import Entry, SessionOptions, field_values
+
+if TYPE_CHECKING:
+    from kvagent_server.app import ServerState
+
+MAGIC = b"KVAGENT-SESSION\n"
+FORMAT = "kvagent-server-session/1"
+_TYPES = {bool: "bool", int: "int", float: "float"}
+
+
+# -- create ---------------------------------------------------------------------------------------
+def field_specs(fields: list[FieldIn] | dict[str, Any]) -> list[FieldSpec]:
+    """Field specs from a list of declarations or a ``{name: initial}`` mapping (type from the value)."""
+    items = [FieldIn(name=k, initial=v, type=_TYPES.get(type(v), "str")) for k, v in fields.items()] \
+        if isinstance(fields, dict) else fields
+    specs = []
+    for i, f in enumerate(items):
+        data = f.model_dump(exclude_none=True)
+        if "allowed" in data:
+            data["allowed"] = tuple(data["allowed"])
+        try:
+            specs.append(FieldSpec(**data))
+        except FieldValueError as exc:  # the initial value is not one the field allows
+            raise InvalidRequest(f"fields.{i}: {exc}", param=f"fields.{i}") from None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first.get("loc", ()))
+            raise InvalidRequest(f"fields.{i}{'.' + where if where else ''}: {first.get('msg')}",
+                                 param=f"fields.{i}") from None
+    return specs
+
+
+def options_of(body: SessionCreate, specs: list[FieldSpec]) -> SessionOptions:
+    eviction = Eviction(body.eviction.policy, body.eviction.budget, body.eviction.chunk) if body.eviction else None
+    return SessionOptions(tuple(specs), eviction, body.edit_strategy)
+
+
+async def create(state: ServerState, body: SessionCreate, key: str) -> dict[str, Any]:
+    specs = field_specs(body.fields)
+    unknown = [(i, name) for i, name in enumerate(body.skills) if name not in state.skills]
+    if unknown:
+        i, name = unknown[0]
+        raise InvalidRequest(f"skills.{i}: unknown skill {name!r}; this server has "
+                             f"{', '.join(sorted(state.skills)) or 'none (start it with --skills DIR)'}",
+                             param=f"skills.{i}")
+    static = ([Segment.policy(body.policy)] if body.policy else []) + [s.segment() for s in specs] \
+        + [Segment.memory(text) for text in body.memory]
+    if not static and not body.skills:
+        raise InvalidRequest("a session needs a policy, a field, a memory text or a skill", param="policy")
+    options = options_of(body, specs)
+    if static:
+        n = len(state.renderer.render(static).tokens)
+        if n >= state.sessions.n_ctx and options.eviction is None:
+            raise ContextOverflowError(f"the session's prompt is {n} tokens, the context {state.sessions.n_ctx}: "
+                                       "shorten it (nothing was created)")
+    await state.sessions.create(key, static, options)
+    report: dict[str, Any] = {"reused": 0, "computed": 0, "transplanted": 0, "seconds": 0.0}
+    try:
+        async with state.sessions.use(key, implicit=False) as entry:
+            session = entry.session
+            assert session is not None
+            if static:
+                _add(report, await state.sessions.with_room(entry, len(state.renderer.render(static).tokens),
+                                                            session.aprefill))
+            for name in body.skills:
+                _add(report, await session.ainclude(state.skills[name]))
+            entry.static = list(session.segments)
+    except BaseException:
+        if key in state.sessions.entries:
+            await state.sessions.delete(key)
+        raise
+    return {**view(state, entry), "prefill": report}
+
+
+def _add(report: dict[str, Any], prefill: Any) -> None:
+    report["reused"] += prefill.reused
+    report["computed"] += prefill.computed
+    report["transplanted"] += prefill.transplanted
+    report["seconds"] += prefill.seconds
+
+
+# -- read -----------------------------------------------------------------------------------------
+def segment_view(s: Segment) -> dict[str, Any]:
+    return {"id": s.id, "kind": s.kind.value, "role": s.role, "name": s.name, "text": s.text,
+            **({"value": s.value} if s.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM) else {})}
+
+
+def view(state: ServerState, entry: Entry) -> dict[str, Any]:
+    """What a session holds: its segments, field values, and which positions of each span are cached."""
+    segments = entry.segments
+    if entry.session is not None:
+        spans = [(span, len(positions)) for span, positions in entry.session.cached_spans()]
+        tokens = len(entry.session.tokens)
+    else:
+        rendered = state.renderer.render(list(segments)) if segments else None
+        kept = entry.parked is not None and entry.parked.blob is not None
+        spans = [(span, span.length if kept else 0) for span in (rendered.spans if rendered else ())]
+        tokens = entry.parked.n_tokens if entry.parked is not None else 0
+    return {
+        "id": entry.key, "object": "session", "parked": entry.parked is not None, "tokens": tokens,
+        "fields": field_values(segments), "messages": len(entry.log.messages),
+        "segments": [segment_view(s) for s in segments],
+        "cached_spans": [{"segment_id": span.segment_id, "kind": span.kind.value, "first": span.first,
+                          "last": span.last, "cached": cached} for span, cached in spans],
+    }
+
+
+def listing(state: ServerState) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": e.key, "parked": e.parked is not None, "explicit": e.explicit, "messages": len(e.log.messages)}
+        for e in state.sessions.entries.values()]}
+
+
+# -- change ---------------------------------------------------------------------------------------
+async def set_fields(state: ServerState, key: str, body: FieldsSet) -> dict[str, Any]:
+    async with state.sessions.use(key, implicit=False) as entry:
+        session = entry.session
+        assert session is not None
+        strategy = body.strategy or entry.options.edit_strategy
+        if strategy == "erratum":
+            growth = sum(len(state.renderer.segment_tokens(Segment.erratum(n, v))) for n, v in body.values.items())
+        else:  # the rest of the prompt is recomputed: its cells are freed as they are rebuilt
+            growth = 8 * len(body.values)
+        before = sum(s.kind is SegmentKind.ERRATUM for s in session.segments)
+        report = await state.sessions.with_room(entry, growth,
+                                                lambda: session.aset_many(body.values, strategy=body.strategy))
+        after = sum(s.kind is SegmentKind.ERRATUM for s in session.segments)
+        state.metrics.errata.inc(max(0, after - before))
+        return {"strategy": report.strategy, "fields": list(report.fields), "reused": report.reused,
+                "computed": report.computed, "stale": report.stale, "seconds": report.seconds,
+                "field_values": field_values(session.segments)}
+
+
+async def include(state: ServerState, key: str, name: str) -> dict[str, Any]:
+    spec = state.skills.get(name)
+    if spec is None:
+        raise NotFound(f"unknown skill {name!r}: this server has "
+                       f"{', '.join(sorted(state.skills)) or 'none (start it with --skills DIR)'}",
+                       param="name", code="skill_not_found")
+    async with state.sessions.use(key, implicit=False) as entry:
+        session = entry.session
+        assert session is not None
+        report = await state.sessions.with_room(entry, len(state.renderer.segment_tokens(spec.segment())),
+                                                lambda: session.ainclude(spec))
+        entry.static.append(session.segments[-1])
+        return {"skill": name, "reused": report.reused, "computed": report.computed,
+                "transplanted": report.transplanted, "seconds": report.seconds}
+
+
+# -- save / restore -------------------------------------------------------------------------------
+def segment_dict(s: Segment) -> dict[str, Any]:
+    return {"kind": s.kind.value, "text": s.text, "role": s.role, "name": s.name, "id": s.id, "pinned": s.pinned,
+            "token_ids": list(s.token_ids) if s.token_ids is not None else None, "complete": s.complete,
+            "value": s.value, "template": s.template}
+
+
+def segment_from(d: dict[str, Any]) -> Segment:
+    ids = d.get("token_ids")
+    token_ids = tuple(int(t) for t in ids) if ids is not None else None
+    return Segment(SegmentKind(d["kind"]), str(d["text"]), role=d.get("role", "system"), name=d.get("name"),
+                   id=d["id"], pinned=d.get("pinned"), token_ids=token_ids,
+                   complete=bool(d.get("complete", True)), value=d.get("value"), template=d.get("template"))
+
+
+async def save(state: ServerState, key: str) -> bytes:
+    async with state.sessions.use(key, implicit=False) as entry:
+        session = entry.session
+        assert session is not None
+        try:
+            blob: bytes | None = await session.asave()
+        except KVBlobError:
+            raise
+        except KVAgentError:  # save refused: the segments alone, prefilled on restore
+            blob = None
+        opts = entry.options
+        header = {
+            "format": FORMAT, "model": state.fingerprint, "explicit": entry.explicit,
+            "fields": [spec.model_dump(mode="json") for spec in opts.fields],
+            "eviction": None if opts.eviction is None else {
+                "policy": str(opts.eviction.policy), "budget": opts.eviction.budget, "chunk": opts.eviction.chunk},
+            "edit_strategy": opts.edit_strategy,
+            "static": [segment_dict(s) for s in entry.static],
+            "segments": [segment_dict(s) for s in session.segments],
+            "messages": [{"role": m.role, "content": m.content, "name": m.name} for m in entry.log.messages],
+            "kv": blob is not None,
+        }
+    raw = json.dumps(header).encode()
+    return MAGIC + struct.pack(">Q", len(raw)) + raw + (blob or b"")
+
+
+def parse_envelope(data: bytes) -> tuple[dict[str, Any], bytes | None]:
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
+        raise InvalidRequest("the body is not a saved kvagent session (POST /v1/sessions/{id}/save makes one)",
+                             param="body")
+    (n,) = struct.unpack(">Q", data[len(MAGIC): len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    try:
+        header = json.loads(data[start: start + n])
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("the saved session's header is corrupt", param="body") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        found = header.get("format") if isinstance(header, dict) else None
+        raise InvalidRequest(f"unknown saved-session format {found!r}: this server reads {FORMAT}", param="body")
+    blob = data[start + n:] if header.get("kv") else None
+    return header, blob
+
+
+async def restore(state: ServerState, key: str, data: bytes) -> dict[str, Any]:
+    header, blob = parse_envelope(data)
+    try:
+        specs = [FieldSpec(**{**f, "allowed": tuple(f["allowed"]) if f.get("allowed") is not None else None})
+                 for f in header.get("fields", [])]
+        ev = header.get("eviction")
+        options = SessionOptions(tuple(specs), Eviction(ev["policy"], ev["budget"], ev["chunk"]) if ev else None,
+                                 header.get("edit_strategy", "erratum"))
+        segments = [segment_from(d) for d in header["segments"]]
+        static = [segment_from(d) for d in header.get("static", [])]
+        messages = [ChatMessage(m["role"], m["content"], m.get("name")) for m in header.get("messages", [])]
+    except (KeyError, TypeError, ValueError, ValidationError) as exc:
+        raise InvalidRequest(f"the saved session's header is invalid: {exc}", param="body") from None
+    await state.sessions.create(key, segments, options)
+    try:
+        async with state.sessions.use(key, implicit=False) as entry:
+            session = entry.session
+            assert session is not None
+            n = len(state.renderer.render(segments).tokens)
+            if blob is not None:
+                await state.sessions.with_room(entry, n, lambda: session.arestore(blob, segments))
+            else:
+                await state.sessions.with_room(entry, n, lambda: session.areplace(segments))
+            entry.static = static
+            entry.log.commit(messages)
+    except BaseException:
+        if key in state.sessions.entries:
+            await state.sessions.delete(key)
+        raise
+    return view(state, entry)

@@ -1,0 +1,47 @@
+"""The adapter's examples run (smoke tests, short replies): examples/langchain_fields.py, langgraph_agent.py,
+and the desktop agent's scripted screenshot."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # LangGraph resolves the state's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_langchain_fields_example(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = load("langchain_fields").main(max_tokens=8)
+    out = capsys.readouterr().out
+    assert [r["status"] for r in rows] == ["processing", "shipped", "delivered"]
+    assert all(r["input_token_details"]["cache_read"] / r["input_tokens"] > 0.5 for r in rows[1:])
+    assert out.count("read from the cache") == 3 and "order_status -> delivered" in out
+
+
+def test_langgraph_example() -> None:
+    pytest.importorskip("langgraph")
+    rows = load("langgraph_agent").main(max_tokens=8)
+    alice = [r for r in rows if r["thread"] == "alice"]
+    assert [r["session_id"] for r in rows] == ["alice", "alice", "bruno"]
+    assert "refund-policy" in alice[0]["skills"]
+    assert alice[0]["reused"] + alice[0]["transplanted"] > 0 and alice[1]["computed"] < 80
+
+
+def test_desktop_example_screenshot(tmp_path: Path) -> None:
+    pytest.importorskip("textual")
+    path = asyncio.run(load("desktop_agent").screenshot(tmp_path / "desk.svg", max_tokens=8))
+    svg = path.read_text().replace("&#160;", " ")
+    assert "span table" in svg and "refund-policy" in svg and "not declared" in svg

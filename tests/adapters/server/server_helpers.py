@@ -1,0 +1,105 @@
+"""Helpers of the server tests: an in-process app over an engine, free loopback ports, server processes
+on 127.0.0.1 (``kvagent serve``, ``python -m llama_cpp.server``) stopped at the end, a process's memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
+
+from kvagent.bench.load import child_args  # the children stop when the tests die
+
+MODEL = "smollm2-135m"
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T]) -> T:
+    """Run one test's coroutine on a fresh event loop (no asyncio plugin needed)."""
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def served(engine: Any, **config: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """(app, client) in process over ``engine``; the app's sessions are closed afterwards."""
+    import httpx
+
+    from kvagent.aio import AsyncEngine
+    from kvagent_server import ServerConfig, create_app
+
+    app = create_app(ServerConfig(model=MODEL, **config), engine=AsyncEngine(engine))
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvagent.test", timeout=300) as client:
+            yield app, client
+    finally:
+        await app.state.kv.sessions.close()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def process(args: list[str], url: str, *, env: dict[str, str] | None = None, ready_s: float = 120.0,
+            log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a server process on loopback, wait until ``url`` answers, stop it afterwards."""
+    import httpx
+
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(child_args(args), stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+        try:
+            deadline = time.monotonic() + ready_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{args[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                try:
+                    if httpx.get(url, timeout=2).status_code < 500:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    tail = log.read_text()[-3000:]
+                    raise RuntimeError(f"{args[:4]} did not answer {url} within {ready_s} s:\n{tail}")
+                time.sleep(0.3)
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process (Linux ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def kvagent_serve_args(port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kvagent.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--model", MODEL, "--log-level", "warning", *extra]
+
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` (with ``labels``) in a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise KeyError(name)

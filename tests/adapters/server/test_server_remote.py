@@ -1,0 +1,139 @@
+"""Remote engines against a real third-party server on 127.0.0.1: llama-cpp-python's own
+``python -m llama_cpp.server`` with its RAM prompt cache on and request interruption off, on SmolLM2.
+
+Over 10 turns with 10 field changes, the request of turn k extends turn k-1's plus the reply byte for
+byte (what a prefix cache needs), and the local token count equals the server's ``usage.prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from kvagent.bench.load import LLAMA_SERVER_CACHE
+from server_helpers import MODEL, free_port, process
+
+LLAMA_SERVER_DEPS = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    missing = [m for m in LLAMA_SERVER_DEPS if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"llama_cpp.server needs {', '.join(missing)} (make installs them)")
+    from kvagent.models import resolve_model
+
+    port = free_port()
+    args = [sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_model(MODEL).path), "--model_alias", MODEL,
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096", *LLAMA_SERVER_CACHE]
+    log = tmp_path_factory.mktemp("llama_server") / "server.log"
+    with process(args, f"http://127.0.0.1:{port}/v1/models", log=log):
+        yield f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture(scope="module")
+def counter() -> Iterator[Any]:
+    from kvagent_server.tokens import GGUFCounter
+
+    c = GGUFCounter(MODEL)
+    yield c
+    c.close()
+
+
+def test_ten_turns_ten_field_changes_extend_byte_for_byte_and_counts_match(llama_server: str, counter: Any) -> None:
+    from kvagent import Segment
+    from kvagent.fields import FieldSpec
+    from kvagent_server.remote import RemoteEngine
+
+    bodies: list[bytes] = []
+    http = httpx.Client(timeout=120, trust_env=False,
+                        event_hooks={"request": [lambda request: bodies.append(request.read())]})
+    specs = [FieldSpec(name="order_status", initial="processing"), FieldSpec(name="ticket", initial="T-0000")]
+    with RemoteEngine(llama_server, MODEL, n_ctx=4096, tokenizer=counter, client=http) as engine:
+        session = engine.session([Segment.policy("You are the support agent of Northwind Outdoor. Be brief."),
+                                  *(s.segment() for s in specs),
+                                  Segment.memory("Orders ship within two days. Returns: 30 days.")], fields=specs)
+        replies: list[str] = []
+        for k in range(10):
+            edit = session.set("ticket" if k % 2 else "order_status", f"T-{k:04d}" if k % 2 else f"state-{k}")
+            assert edit.kept == edit.messages - 1  # an erratum: every earlier message is untouched
+            reply = session.chat(f"Question {k}: what is the status of my order? Ünïcödé ✓", max_tokens=8)
+            assert reply.server_prompt_tokens == reply.prompt_tokens, (k, reply)
+            replies.append(reply.text)
+    assert len(bodies) == 10
+    for k in range(1, 10):
+        prev, cur = bodies[k - 1], bodies[k]
+        assert prev.startswith(b'{"model":') and b'"messages":[' in prev
+        end = prev.index(b'],"max_tokens"')  # the end of turn k-1's messages array
+        reply_message = json.dumps({"role": "assistant", "content": replies[k - 1]}, ensure_ascii=False,
+                                   separators=(",", ":")).encode()
+        assert cur.startswith(prev[:end] + b"," + reply_message + b","), k  # byte for byte
+        sent_prev = json.loads(prev)["messages"]
+        sent = json.loads(cur)["messages"]
+        assert sent[: len(sent_prev) + 1] == [*sent_prev, {"role": "assistant", "content": replies[k - 1]}]
+        assert sent[len(sent_prev) + 1]["content"].startswith("[STATE UPDATE]")
+
+
+def test_streaming_a_remote_reply(llama_server: str, counter: Any) -> None:
+    from kvagent import Segment
+    from kvagent_server.remote import RemoteEngine
+
+    with RemoteEngine(llama_server, MODEL, n_ctx=4096, tokenizer=counter) as engine:
+        session = engine.session([Segment.policy("Be brief.")])
+        stream = session.stream(8, user="Count: one, two,")
+        pieces = list(stream)
+        assert stream.result is not None and "".join(pieces) == stream.result.text
+        assert stream.result.ttft_s <= stream.result.total_s
+        assert session.messages()[-1] == {"role": "assistant", "content": stream.result.text}
+        n = len(session.messages())
+        early = session.stream(8, user="Count: three, four,")
+        next(iter(early))
+        early.close()  # abandoned: the turn does not join the prompt
+        assert len(session.messages()) == n
+
+
+def test_a_prompt_that_does_not_fit_is_refused_before_anything_is_sent(counter: Any) -> None:
+    from kvagent import Segment
+    from kvagent.errors import ContextOverflowError
+    from kvagent_server.remote import RemoteEngine
+
+    sent: list[Any] = []
+    http = httpx.Client(trust_env=False, event_hooks={"request": [sent.append]})
+    port = free_port()  # nothing listens there: a request would fail with RemoteError
+    with RemoteEngine(f"http://127.0.0.1:{port}/v1", MODEL, n_ctx=64, tokenizer=counter, client=http) as engine:
+        session = engine.session([Segment.policy("You are a helpful assistant. " * 10)])
+        with pytest.raises(ContextOverflowError, match="nothing was sent"):
+            session.chat("Hello", max_tokens=16)
+    assert sent == [] and len(session.messages()) == 1
+
+
+def test_inplace_edits_change_the_prefix_and_errata_do_not(counter: Any) -> None:
+    from kvagent import Segment
+    from kvagent.errors import FieldValueError
+    from kvagent.fields import FieldSpec
+    from kvagent_server.remote import RemoteEngine
+
+    spec = FieldSpec(name="tier", initial="standard", allowed=("standard", "gold"))
+    with RemoteEngine("http://127.0.0.1:9/v1", MODEL, n_ctx=4096, tokenizer=counter) as engine:
+        session = engine.session([Segment.policy("Be brief."), spec.segment(), Segment.memory("Docs.")], fields=[spec])
+        erratum = session.set("tier", "gold")
+        assert erratum.kept == 3 and session.field_values == {"tier": "gold"}
+        inplace = session.set("tier", "gold", strategy="inplace")  # the field rewritten, its erratum gone
+        assert inplace.kept == 1 and [m["content"] for m in session.messages()] == ["Be brief.", "tier: gold", "Docs."]
+        with pytest.raises(FieldValueError, match="tier"):
+            session.set("tier", "platinum")
+        with pytest.raises(FieldValueError, match="colour"):
+            session.set("colour", "red")
+
+
+def test_without_a_gguf_tokens_are_estimated_offline() -> None:
+    from kvagent_server.tokens import TiktokenCounter, counter_for
+
+    estimate = counter_for(None)
+    assert isinstance(estimate, TiktokenCounter) and not estimate.exact
+    assert estimate.count([{"role": "user", "content": "Hello there"}]) == 3 + 2 + 3
