@@ -585,8 +585,8 @@ def code_run(engine: Engine, policy: str, fraction: float) -> tuple[list[int], s
 @pytest.mark.parametrize("model", MODELS)
 def test_surprise_keeps_the_tokens_of_a_code_in_prose(engines: dict[str, Engine], model: str, fraction: float) -> None:
     """Before the fix every variant lost digits: token-level surprise kept 2/4 at 50% (both models) and
-    0/4 (SmolLM2) or 1/4 (Gemma-3) at 25%; span-level "surprise" keeps the sentence whole."""
-    digits, cached, _ = code_run(engines[model, 2048], "surprise", fraction)
+    0/4 (SmolLM2) or 1/4 (Gemma-3) at 25%; span-level "surprise-span" keeps the sentence whole."""
+    digits, cached, _ = code_run(engines[model, 2048], "surprise-span", fraction)
     assert [p for p in digits if p not in cached] == []
 
 
@@ -597,7 +597,7 @@ def test_token_surprise_scores_a_cell_whose_predecessor_was_evicted_from_its_pre
     whose state predicts another token: in the last cycle at 50%, cells whose predecessor was evicted had a
     median surprise 2.3x (SmolLM2 10.0 vs 4.4) and 2.3x (Gemma-3 9.7 vs 4.2) that of the others, so they
     crowded out contiguous text; measured after: 1.10 (4.31 vs 3.92) and 1.00 (3.88 vs 3.87)."""
-    _, _, rec = code_run(engines[model, 2048], "surprise-token", 0.5)
+    _, _, rec = code_run(engines[model, 2048], "surprise", 0.5)
     view, scores = rec.views[-1], rec.scores[-1]
     follows = np.r_[False, np.diff(view.positions) == 1]
     finite = np.isfinite(scores)

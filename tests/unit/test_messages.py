@@ -55,3 +55,16 @@ def test_a_diverging_history_is_rebuilt_with_current_field_values(resent: list[C
     assert not any(s.kind is SegmentKind.ERRATUM for s in rebuilt)
     assert [s.value for s in rebuilt if s.kind is SegmentKind.FIELD] == ["closed"]
     assert [s.text for s in rebuilt if is_message_segment(s)] == [m.content for m in resent]
+
+
+def test_a_session_holding_only_adapter_segments_gets_the_messages_after_them() -> None:
+    """Server sessions are created with their fields (and errata from /v1/sessions) before any message."""
+    log, fields = MessageLog(), [Segment.field("status", "open")]
+    current = [*fields, Segment.erratum("status", "closed")]
+    planned = log.plan(current, [USER], fields)
+    assert planned[:2] == current and [s.text for s in planned[2:]] == ["hi"]
+
+
+def test_an_empty_session_gets_the_adapter_segments_before_the_turns() -> None:
+    planned = MessageLog().plan([], [USER], [Segment.field("status", "open")])
+    assert [s.kind for s in planned] == [SegmentKind.FIELD, SegmentKind.TURN]
