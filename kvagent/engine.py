@@ -11,6 +11,7 @@ or plain text) and the skill library. Sessions may be used from many threads (or
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
@@ -56,13 +57,16 @@ class EngineSettings(BaseModel):
     """How many sessions (sequences) can be open at once."""
     n_threads: int = Field(0, ge=0)
     """CPU threads; 0 = all cores."""
-    n_gpu_layers: int = 0
-    """Layers to offload to a GPU (llama.cpp built with CUDA/Metal); 0 = CPU only, -1 = all."""
-    flash_attn: bool = False
-    """Flash attention. Off by default: its CPU kernel moves logits with the prefill chunking (SmolLM2 Q4:
-    cosine 0.9966 between chunks of 64 and one batch; without it 1.0). On with many sessions in one pool:
-    every token attends over the whole pool and flash attention skips other sessions' masked cells, so
-    batched decode runs faster (``kvagent bench concurrency --flash-attn``, BENCHMARKS.md)."""
+    n_gpu_layers: int | None = None
+    """Layers to offload to a GPU (llama.cpp built with CUDA, ``make setup GPU=cuda``); 0 = CPU only, -1 = all.
+    None (default) = automatic, see :func:`auto_gpu_layers`: ``$KVAGENT_GPU_LAYERS`` when set, else all layers
+    when the llama.cpp build can offload and sees a GPU, else 0 (so a CPU build is unchanged)."""
+    flash_attn: bool = Field(default_factory=lambda: _env_flag("KVAGENT_FLASH_ATTN"))
+    """Flash attention; default ``$KVAGENT_FLASH_ATTN`` when set (1/0), else off. Off by default: its CPU kernel
+    moves logits with the prefill chunking (SmolLM2 Q4: cosine 0.9966 between chunks of 64 and one batch;
+    without it 1.0). On with many sessions in one pool: every token attends over the whole pool and flash
+    attention skips other sessions' masked cells, so batched decode runs faster (``kvagent bench concurrency
+    --flash-attn``, BENCHMARKS.md)."""
     swa_full: bool = True
     """Keep full-size caches for sliding-window layers so sequence operations stay exact."""
     capture: Literal["none", "native", "python"] = "none"
@@ -75,7 +79,41 @@ class EngineSettings(BaseModel):
     short requests beside long prefills vs. the long prefill's own speed; see BENCHMARKS.md)."""
 
     def backend_config(self) -> BackendConfig:
-        return BackendConfig(**self.model_dump(exclude={"model", "backend", "prefill_chunk"}))
+        """The backend's settings, ``n_gpu_layers`` resolved (:func:`auto_gpu_layers`) when left unset."""
+        config = self.model_dump(exclude={"model", "backend", "prefill_chunk"})
+        if config["n_gpu_layers"] is None:
+            config["n_gpu_layers"] = auto_gpu_layers(self.backend)
+        return BackendConfig(**config)
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise KVAgentError(f"${name}={value!r}: use 1 or 0 (true/false, yes/no, on/off)")
+
+
+def auto_gpu_layers(backend: str = "llama.cpp") -> int:
+    """``n_gpu_layers`` for settings that leave it unset: ``$KVAGENT_GPU_LAYERS`` when set (an int, -1 = all);
+    else, for the llama.cpp backend, -1 when its build can offload (``llama_supports_gpu_offload``) and a GPU
+    device is present, 0 otherwise (``kvagent.backends.llama_cpp.default_gpu_layers``); 0 for other backends."""
+    value = os.environ.get("KVAGENT_GPU_LAYERS", "").strip()
+    if value:
+        try:
+            return int(value)
+        except ValueError:
+            raise KVAgentError(
+                f"$KVAGENT_GPU_LAYERS={value!r}: use an integer (-1 = all layers, 0 = CPU only)"
+            ) from None
+    if backend != "llama.cpp":
+        return 0
+    from kvagent.backends.llama_cpp import default_gpu_layers
+
+    return default_gpu_layers()
 
 
 class Engine:

@@ -12,7 +12,21 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-MODELS = ["smollm2-135m", "gemma3-270m"]
+MODELS = os.environ.get("KVAGENT_TEST_MODELS", "smollm2-135m,gemma3-270m").split(",")
+"""The models the ``engine`` fixture runs on; ``$KVAGENT_TEST_MODELS`` narrows them (scripts/gpu_check.sh)."""
+
+# A GPU machine without the model packages (scripts/gpu_check.sh): registry names stand for local files,
+# e.g. KVAGENT_TEST_MODEL_FILES=smollm2-135m=/path/smollm2-4l.gguf (a layer-truncated copy, `kvagent gpu truncate`).
+# Device placement and flash attention come from the engine's own defaults: $KVAGENT_GPU_LAYERS, $KVAGENT_FLASH_ATTN.
+if os.environ.get("KVAGENT_TEST_MODEL_FILES"):
+    import dataclasses
+    from pathlib import Path
+
+    from kvagent.models import REGISTRY
+
+    for _item in filter(None, os.environ["KVAGENT_TEST_MODEL_FILES"].split(",")):
+        _name, _file = _item.split("=", 1)
+        REGISTRY[_name] = dataclasses.replace(REGISTRY[_name], locate=lambda f=Path(_file): f)
 
 
 @pytest.fixture(scope="session", params=MODELS)

@@ -61,6 +61,97 @@ def _init_backend() -> None:
         _initialised = True
 
 
+# -- devices ------------------------------------------------------------------------------------------
+# ggml_backend_dev_type (ggml-backend.h): CPU, GPU (dedicated memory), IGPU (host memory), ACCEL, META
+_GPU_DEVICE_TYPES = {1: "gpu", 2: "igpu"}
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    """A GPU that this llama.cpp build can offload to (``ggml_backend_dev_*``)."""
+
+    index: int  # in ggml's device list (the CPU included)
+    name: str  # ggml's name, e.g. CUDA0
+    description: str  # e.g. NVIDIA H200
+    kind: str  # "gpu" or "igpu"
+    free_bytes: int
+    total_bytes: int
+
+
+def _ggml_device_api() -> ctypes.CDLL:
+    """The ggml device registry, looked up through libllama's handle: dlsym searches its dependencies, so this is
+    the ``libggml`` instance llama.cpp itself uses (``llama_cpp._ggml`` would load a second copy of the file)."""
+    lib = C.llama_cpp._lib  # type: ignore[attr-defined]
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_count.argtypes = []
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.restype = None
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_count.argtypes = []
+    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def compiled_backends() -> list[str]:
+    """The ggml backends this build was compiled with (``CPU``; ``CUDA`` for ``make setup GPU=cuda``), whether or
+    not a device for them is present."""
+    _init_backend()
+    lib = _ggml_device_api()
+    return [(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)) or b"").decode(errors="replace")
+            for i in range(int(lib.ggml_backend_reg_count()))]
+
+
+def supports_gpu_offload() -> bool:
+    """Whether layers can go to a GPU now: ``llama_supports_gpu_offload``, true when the build has a GPU backend
+    *and* that backend found a device (a CUDA build on a machine without a usable GPU says false)."""
+    _init_backend()
+    return bool(C.llama_supports_gpu_offload())
+
+
+def gpu_devices() -> list[GpuDevice]:
+    """The GPUs this build sees; empty for a CPU build, or a GPU build on a machine without a usable GPU."""
+    _init_backend()
+    lib = _ggml_device_api()
+    out: list[GpuDevice] = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        kind = _GPU_DEVICE_TYPES.get(int(lib.ggml_backend_dev_type(dev)))
+        if not dev or kind is None:
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(GpuDevice(i, (lib.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
+                             (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"), kind,
+                             int(free.value), int(total.value)))
+    return out
+
+
+def build_info() -> dict[str, object]:
+    """This llama-cpp-python build: version, compiled backends, whether it can offload now, llama.cpp's system
+    info line."""
+    _init_backend()
+    return {"llama_cpp_python": C.__version__, "backends": compiled_backends(), "gpu_offload": supports_gpu_offload(),
+            "system_info": C.llama_print_system_info().decode(errors="replace").strip()}
+
+
+def default_gpu_layers() -> int:
+    """``n_gpu_layers`` when the settings leave it unset: -1 (every layer, and its KV) when this build can offload
+    and a GPU is present, else 0 (the CPU build, or no device)."""
+    return -1 if supports_gpu_offload() and gpu_devices() else 0
+
+
 class LlamaCppBackend:
     """A loaded GGUF model with one multi-sequence context. See ``backends.base.Backend``."""
 

@@ -9,6 +9,7 @@ from kvagent.cli.bench import app as bench_app
 from kvagent.cli.chat import app as chat_app
 from kvagent.cli.common import configure_logging, console
 from kvagent.cli.edits import app as edits_app
+from kvagent.cli.gpu import app as gpu_app
 from kvagent.cli.native import app as native_app
 from kvagent.cli.probe import app as probe_app
 from kvagent.cli.reference import app as reference_app
@@ -103,3 +104,4 @@ app.add_typer(reference_app, name="reference")
 app.add_typer(probe_app, name="probe")
 app.command("serve")(serve)
 app.add_typer(chat_app, name="chat")
+app.add_typer(gpu_app, name="gpu")

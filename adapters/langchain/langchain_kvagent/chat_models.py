@@ -185,8 +185,9 @@ class ChatKVAgent(BaseChatModel):
     n_seq_max: int = Field(8, ge=2, le=256)
     """Sessions the engine holds at once; past it the least recently used idle session is closed (and rebuilt
     from the resent history when it is used again). One sequence is kept free for skill transplants."""
-    n_gpu_layers: int = 0
-    """Layers offloaded to a GPU (llama.cpp built with CUDA or Metal); 0: CPU only, -1: all."""
+    n_gpu_layers: int | None = None
+    """Layers offloaded to a GPU (llama.cpp built with CUDA or Metal); 0: CPU only, -1: all; None: the engine's
+    automatic choice (all layers when the build can offload and sees a GPU, else none)."""
     policy: str | None = None
     """A system prompt of the chat model's own, after the messages' leading system messages: cached once,
     shared by every session of the engine that starts with it."""

@@ -47,7 +47,7 @@ class EngineKey:
     model: str
     n_ctx: int
     n_seq_max: int
-    n_gpu_layers: int
+    n_gpu_layers: int | None
     capture: str = "none"
 
     def load(self) -> Engine:
