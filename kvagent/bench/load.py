@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from kvagent.bench.common import RESULTS_DIR, write_json
+from kvagent.segments import common_prefix
 
 ARMS = ("erratum", "inplace")
 TARGETS = ("serve", "remote")
@@ -127,14 +128,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     pos = (len(ordered) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass

@@ -8,14 +8,7 @@ import numpy as np
 MODEL = "smollm2-135m"
 SETTINGS = {"model": MODEL, "n_ctx": 4096, "n_seq_max": 12}
 
-POLICY = """You are the support agent of Northwind Outdoor, a shop for camping gear.
-Rules:
-1. Be brief: answer in at most two sentences.
-2. Orders can be cancelled only while their status is "processing". Shipped orders cannot be cancelled;
-   offer a return instead, free within 30 days of delivery.
-3. Refunds go back to the original payment method within 5 business days.
-4. Never invent order numbers, prices or dates. If you do not know, say so.
-5. Gold members get free express shipping on every order."""
+from kvagent.demo import POLICY  # noqa: E402  (the demo's support policy)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
