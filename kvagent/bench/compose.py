@@ -90,7 +90,7 @@ def run(models: list[str], sizes: list[int], seams: list[int], skills_dir: Path,
     rows: list[dict[str, Any]] = []
     for model in models:
         with Engine.load(model, n_ctx=max(sizes) + 1024, n_seq_max=4) as engine:
-            library = engine.skill_library(SkillStore(store_dir / model))
+            library = engine.skill_library(SkillStore(store_dir / engine.model.name))  # a GGUF path names no folder
             nothing = engine.skill_library(SkillStore(store_dir / "none"))  # no compiled skill: full prefill
             renderer = engine.renderer(True)
             cases: list[tuple[str, list[SkillSpec]]] = []

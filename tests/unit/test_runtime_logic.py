@@ -579,7 +579,7 @@ def test_other_threads_set_waits_for_the_whole_turn(engine: Engine) -> None:
 
 def test_regression_extend_from_another_thread_drops_the_turn_in_flight(engine: Engine) -> None:
     s, result, seen = other_thread_call_during_a_stream(engine, "extend")
-    assert [seg.role for seg in seen["segments"][-3:]] == ["user", "assistant", "user"]  # fails: turn dropped
+    assert [seg.role for seg in seen["segments"][-3:]] == ["user", "assistant", "user"]  # before the fix: turn dropped
     assert seen["segments"][-2].text == result.text
     assert_at_rest(engine, s)
 
@@ -594,7 +594,7 @@ def test_regression_aextend_drops_a_turn_in_flight(engine: Engine) -> None:
         await asyncio.sleep(0)
         release.set()
         gen, _ = await asyncio.gather(chat, extend)
-        assert [seg.text for seg in session.segments] == [POLICY, "question", gen.text, "follow-up"]  # fails
+        assert [seg.text for seg in session.segments] == [POLICY, "question", gen.text, "follow-up"]  # failed before the fix
         assert session.tokens == session.rendered.tokens
 
     asyncio.run(main())
@@ -759,16 +759,16 @@ def test_regression_cancel_after_a_decoded_step_leaves_an_orphan_cell(make_engin
     concurrent.futures.wait([job.future], 5)
     assert isinstance(job.future.exception(), Cancelled)
     assert s.tokens == s.rendered.tokens
-    assert backend.seq_positions(s.seq) == list(range(len(s.tokens)))  # fails: a cell at len(tokens)
+    assert backend.seq_positions(s.seq) == list(range(len(s.tokens)))  # before the fix: a cell at len(tokens)
     assert stream.result is None
-    assert s.generate(2).generated == 2  # fails before the fix: the next step is refused (pos_max + 1)
+    assert s.generate(2).generated == 2  # before the fix: the next step is refused (pos_max + 1)
 
 
 def test_regression_answer_prefix_on_an_empty_session_duplicates_bos(engine: Engine) -> None:
     s = engine.session([], chat=False)
     gen = s.generate(3, prefix="Once upon")
     assert s.segments[-1].text == "Once upon" + gen.text
-    assert s.rendered.tokens.count(BOS) == 1  # fails: (BOS, BOS, Once, upon, ...)
+    assert s.rendered.tokens.count(BOS) == 1  # before the fix: (BOS, BOS, Once, upon, ...)
     assert BOS not in (s.segments[-1].token_ids or ())
 
 
@@ -784,7 +784,7 @@ def test_regression_failed_restore_leaves_tokens_claiming_missing_cells(make_eng
     with pytest.raises(KVAgentError):
         a.restore(blob, segments)
     held = backend.seq_positions(a.seq)
-    assert list(range(len(a.tokens))) == held  # fails: tokens (1, x, y, z, \n), backend holds nothing
+    assert list(range(len(a.tokens))) == held  # before the fix: tokens (1, x, y, z, \n), backend holds nothing
     assert len(engine.pool.index.indexed(a.seq)) <= len(held)
     b.close()  # room for the cold prefill assert_at_rest compares with
     a.prefill()
@@ -801,7 +801,7 @@ def test_regression_dropping_a_stream_does_not_cancel_it(engine: Engine) -> None
     del stream
     gc.collect()
     done, _ = concurrent.futures.wait([job.future], 0.5)
-    assert done  # fails: the generation is still waiting for the dropped reader
+    assert done  # before the fix: the generation is still waiting for the dropped reader
 
 
 def test_regression_cancelled_task_returns_before_the_rollback(engine: Engine) -> None:
@@ -827,7 +827,7 @@ def test_regression_cancelled_task_returns_before_the_rollback(engine: Engine) -
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task  # must return once the turn is rolled back (the docstring's promise)
-        assert session.tokens == before and session.segments == segments  # fails: the turn is still there
+        assert session.tokens == before and session.segments == segments  # before the fix: the turn is still there
         assert_at_rest(engine, session.session)
         await session.aclose()
         assert engine.pool.free == start
@@ -884,7 +884,7 @@ def test_regression_stream_end_registered_after_submit(make_engine: Any, monkeyp
     reader.start()
     reader.join(0.5)
     try:
-        assert not reader.is_alive()  # fails: no END ever reaches the stream
+        assert not reader.is_alive()  # before the fix: no END ever reaches the stream
         assert stream.result is not None and stream.result.finish_reason == "eos"
     finally:
         stream.close(wait=False)
@@ -919,7 +919,7 @@ def test_regression_await_misses_a_job_finished_between_callbacks_and_result() -
         return await asyncio.wait_for(_await(scheduler, job), 0.5)
 
     try:
-        assert asyncio.run(main()) == 42  # fails: TimeoutError
+        assert asyncio.run(main()) == 42  # before the fix: TimeoutError
     finally:
         gate.set()
         finisher.join(5)
