@@ -61,12 +61,16 @@ class EngineSettings(BaseModel):
     """Layers to offload to a GPU (llama.cpp built with CUDA, ``make setup GPU=cuda``); 0 = CPU only, -1 = all.
     None (default) = automatic, see :func:`auto_gpu_layers`: ``$KVAGENT_GPU_LAYERS`` when set, else all layers
     when the llama.cpp build can offload and sees a GPU, else 0 (so a CPU build is unchanged)."""
-    flash_attn: bool = Field(default_factory=lambda: _env_flag("KVAGENT_FLASH_ATTN"))
-    """Flash attention; default ``$KVAGENT_FLASH_ATTN`` when set (1/0), else off. Off by default: its CPU kernel
-    moves logits with the prefill chunking (SmolLM2 Q4: cosine 0.9966 between chunks of 64 and one batch;
-    without it 1.0). On with many sessions in one pool: every token attends over the whole pool and flash
-    attention skips other sessions' masked cells, so batched decode runs faster (``kvagent bench concurrency
-    --flash-attn``, BENCHMARKS.md)."""
+    flash_attn: bool | None = Field(default_factory=lambda: _env_flag("KVAGENT_FLASH_ATTN", None))
+    """Flash attention; default ``$KVAGENT_FLASH_ATTN`` when set (1/0), else automatic (None): on when the
+    llama.cpp build sees a GPU, off on a CPU build. Off on the CPU: its CPU kernel moves logits with the
+    prefill chunking (SmolLM2 Q4: cosine 0.9966 between chunks of 64 and one batch; without it 1.0). On
+    with a GPU: measured on an H200 (CUDA build, f16 KV), the non-flash attention path gives all-NaN logits
+    when a prompt is decoded in several calls into pool cells freed by an earlier sequence (every session
+    after the first; also with ``n_gpu_layers=0``, llama.cpp then still runs big matmuls on the GPU);
+    flash attention never did (BENCHMARKS.md, "GPU"). On with many sessions in one pool: every token
+    attends over the whole pool and flash attention skips other sessions' masked cells, so batched decode
+    runs faster (``kvagent bench concurrency --flash-attn``)."""
     swa_full: bool = True
     """Keep full-size caches for sliding-window layers so sequence operations stay exact."""
     capture: Literal["none", "native", "python"] = "none"
@@ -79,14 +83,17 @@ class EngineSettings(BaseModel):
     short requests beside long prefills vs. the long prefill's own speed; see BENCHMARKS.md)."""
 
     def backend_config(self) -> BackendConfig:
-        """The backend's settings, ``n_gpu_layers`` resolved (:func:`auto_gpu_layers`) when left unset."""
+        """The backend's settings, ``n_gpu_layers`` (:func:`auto_gpu_layers`) and ``flash_attn``
+        (:func:`auto_flash_attn`) resolved when left unset."""
         config = self.model_dump(exclude={"model", "backend", "prefill_chunk"})
         if config["n_gpu_layers"] is None:
             config["n_gpu_layers"] = auto_gpu_layers(self.backend)
+        if config["flash_attn"] is None:
+            config["flash_attn"] = auto_flash_attn(self.backend)
         return BackendConfig(**config)
 
 
-def _env_flag(name: str, default: bool = False) -> bool:
+def _env_flag(name: str, default: bool | None = False) -> bool | None:
     value = os.environ.get(name, "").strip().lower()
     if not value:
         return default
@@ -114,6 +121,16 @@ def auto_gpu_layers(backend: str = "llama.cpp") -> int:
     from kvagent.backends.llama_cpp import default_gpu_layers
 
     return default_gpu_layers()
+
+
+def auto_flash_attn(backend: str = "llama.cpp") -> bool:
+    """``flash_attn`` for settings that leave it unset: on when the llama.cpp build can offload and sees a GPU
+    (the non-flash path gave NaN logits there, see :class:`EngineSettings`), off otherwise."""
+    if backend != "llama.cpp":
+        return False
+    from kvagent.backends.llama_cpp import default_gpu_layers
+
+    return default_gpu_layers() != 0
 
 
 class Engine:

@@ -115,8 +115,11 @@ class Evictor:
         """A cycle is due once ``chunk`` tokens have been inferred beyond the budget."""
         return cells >= self.budget + self.chunk
 
-    def cycle(self, seq: int, tokens: Sequence[int], positions: Sequence[int], pinned: Sequence[bool]) -> CycleReport:
-        """Prune the cells ``positions`` (ascending, with their ``tokens``) to the budget; returns what went."""
+    def cycle(self, seq: int, tokens: Sequence[int], positions: Sequence[int], pinned: Sequence[bool],
+              priority: Sequence[int] | None = None) -> CycleReport:
+        """Prune the cells ``positions`` (ascending, with their ``tokens``) to the budget; returns what went.
+        ``priority`` (per cell, default all 0): cells of a lower priority are evicted first, the policy's
+        scores ranking cells within one priority."""
         start = time.perf_counter()
         pos = np.asarray(positions, dtype=np.int64)
         tok = np.asarray(tokens, dtype=np.int64)
@@ -136,7 +139,7 @@ class Evictor:
         if scores.shape != (len(view),):
             raise EvictionError(f"policy {self.policy.name!r} returned {scores.shape} scores for {len(view)} cells")
         score_ms = (time.perf_counter() - start) * 1000
-        keep = select_keep(scores, view.pinned, self.budget)
+        keep = select_keep(scores, view.pinned, self.budget, None if priority is None else np.asarray(priority))
         if keep.size > self.budget:
             log.warning("pinned segments hold %d cells, more than the eviction budget %d", int(view.pinned.sum()), self.budget)
         kept = np.zeros(len(view), dtype=bool)
@@ -183,6 +186,14 @@ class Evictor:
             if r is not None:
                 out[i] = r
         return out
+
+    def adopt(self, other: Evictor) -> None:
+        """Take over what ``other`` recorded (hidden states, tokens, token texts; shallow copies of its
+        dicts), for a sequence that got ``other``'s cells by ``seq_cp``: the benchmark decodes a prefix
+        shared by several policies once. Cycles, seen positions and the policy's state are not copied."""
+        self._hidden = dict(other._hidden)
+        self._tokens = dict(other._tokens)
+        self._texts = dict(other._texts)
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:

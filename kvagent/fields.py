@@ -51,10 +51,11 @@ class FieldSpec(BaseModel):
             raise FieldValueError(f"field {self.name!r} does not allow {value!r}: use one of {options}")
         return coerced
 
-    def segment(self, value: Any = None, *, id: str = "") -> Segment:
-        """The FIELD segment that renders this field with ``value`` (default: the initial value)."""
+    def segment(self, value: Any = None, *, id: str = "", role: str = "system") -> Segment:
+        """The FIELD segment that renders this field with ``value`` (default: the initial value), as its own
+        message of ``role``; it may stand anywhere after the policies."""
         value = self.initial if value is None else self.check(value)
-        return Segment.field(self.name, value, template=self.template, id=id or f"field-{self.name}")
+        return Segment.field(self.name, value, template=self.template, id=id or f"field-{self.name}", role=role)
 
 
 def check_changes(

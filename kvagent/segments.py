@@ -48,6 +48,9 @@ class Segment:
     instead of tokenizing ``text`` so a generated turn re-renders to the tokens already cached.
     ``complete=False`` marks an assistant turn being generated: rendered without its closing tag.
     FIELD and ERRATUM segments also keep their ``value`` and ``template`` so they can be re-rendered.
+    Eviction (source paper B): ``pinned`` cells are never evicted (policy, fields and errata by default;
+    any segment may be pinned); among the others, cells of a lower ``priority`` segment are evicted before
+    any cell of a higher one, the policy's scores deciding within a priority (default 0 for all).
     """
 
     kind: SegmentKind
@@ -60,6 +63,7 @@ class Segment:
     complete: bool = True
     value: object = None  # a FIELD's or ERRATUM's value
     template: str | None = None  # how a FIELD/ERRATUM renders: str.format with {name} and {value}
+    priority: int = 0  # eviction order between segments: lower goes first
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -77,17 +81,20 @@ class Segment:
         return cls(SegmentKind.POLICY, text, id=id)
 
     @classmethod
-    def skill(cls, name: str, text: str, *, id: str = "", pinned: bool = False) -> Segment:
-        return cls(SegmentKind.SKILL, text, name=name, id=id, pinned=pinned)
+    def skill(cls, name: str, text: str, *, id: str = "", pinned: bool = False, priority: int = 0) -> Segment:
+        return cls(SegmentKind.SKILL, text, name=name, id=id, pinned=pinned, priority=priority)
 
     @classmethod
-    def field(cls, name: str, value: object, *, template: str = DEFAULT_FIELD_TEMPLATE, id: str = "") -> Segment:
+    def field(cls, name: str, value: object, *, template: str = DEFAULT_FIELD_TEMPLATE, id: str = "",
+              role: str = "system") -> Segment:
+        """A mutable field, its own message of ``role`` anywhere in the prompt (a later system message, a
+        tool result as a user message, after few-shot turns)."""
         text = template.format(name=name, value=value)
-        return cls(SegmentKind.FIELD, text, name=name, id=id, value=value, template=template)
+        return cls(SegmentKind.FIELD, text, role=role, name=name, id=id, value=value, template=template)
 
     @classmethod
-    def memory(cls, text: str, *, id: str = "", pinned: bool = False) -> Segment:
-        return cls(SegmentKind.MEMORY, text, id=id, pinned=pinned)
+    def memory(cls, text: str, *, id: str = "", pinned: bool = False, priority: int = 0) -> Segment:
+        return cls(SegmentKind.MEMORY, text, id=id, pinned=pinned, priority=priority)
 
     @classmethod
     def erratum(cls, name: str, value: object, *, template: str = DEFAULT_ERRATUM_TEMPLATE, id: str = "") -> Segment:
@@ -100,8 +107,8 @@ class Segment:
         return replace(self, value=value, text=template.format(name=self.name, value=value), token_ids=None)
 
     @classmethod
-    def user(cls, text: str, *, id: str = "") -> Segment:
-        return cls(SegmentKind.TURN, text, role="user", id=id)
+    def user(cls, text: str, *, id: str = "", pinned: bool = False, priority: int = 0) -> Segment:
+        return cls(SegmentKind.TURN, text, role="user", id=id, pinned=pinned, priority=priority)
 
     @classmethod
     def reply(cls) -> Segment:
@@ -109,9 +116,10 @@ class Segment:
         return cls(SegmentKind.TURN, "", role="assistant", complete=False)
 
     @classmethod
-    def assistant(cls, text: str, *, id: str = "", token_ids: Sequence[int] | None = None) -> Segment:
+    def assistant(cls, text: str, *, id: str = "", token_ids: Sequence[int] | None = None, pinned: bool = False,
+                  priority: int = 0) -> Segment:
         ids = tuple(token_ids) if token_ids is not None else None
-        return cls(SegmentKind.TURN, text, role="assistant", id=id, token_ids=ids)
+        return cls(SegmentKind.TURN, text, role="assistant", id=id, token_ids=ids, pinned=pinned, priority=priority)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class Span:
     first: int
     last: int
     pinned: bool
+    priority: int = 0
 
     @property
     def length(self) -> int:
@@ -162,14 +171,13 @@ class Tokenizer(Protocol):
 def validate_order(segments: Sequence[Segment]) -> None:
     """Raise :class:`SegmentOrderError` unless the segments form a prompt kvagent can render.
 
-    Rules: ids are unique; policies come first (they are the system prompt); fields are declared
-    before the first turn and at most once; an erratum updates a field declared before it; an
-    unfinished assistant turn can only be last.
+    Rules: ids are unique; policies come first (they are the system prompt); a field is declared at
+    most once, anywhere after the policies (before or after turns); an erratum updates a field declared
+    before it; an unfinished assistant turn can only be last.
     """
     seen_ids: set[str] = set()
     fields: set[str] = set()
     seen_other = False
-    seen_turn = False
     for index, seg in enumerate(segments):
         where = f"segment {index} ({seg.kind.value} {seg.id!r})"
         if seg.id in seen_ids:
@@ -181,18 +189,13 @@ def validate_order(segments: Sequence[Segment]) -> None:
             continue
         seen_other = True
         if seg.kind is SegmentKind.FIELD:
-            if seen_turn:
-                raise SegmentOrderError(
-                    f"{where}: fields are declared before the first turn; to change field {seg.name!r} later "
-                    "use an erratum (session.set)"
-                )
             if seg.name in fields:
-                raise SegmentOrderError(f"{where}: field {seg.name!r} is declared twice")
+                raise SegmentOrderError(
+                    f"{where}: field {seg.name!r} is declared twice; to change its value use session.set"
+                )
             fields.add(str(seg.name))
         elif seg.kind is SegmentKind.ERRATUM and seg.name not in fields:
             raise SegmentOrderError(f"{where}: it updates field {seg.name!r}, which is not declared before it")
-        elif seg.kind is SegmentKind.TURN:
-            seen_turn = True
         if not seg.complete and index != len(segments) - 1:
             raise SegmentOrderError(f"{where}: an unfinished assistant turn must be the last segment")
 
@@ -248,7 +251,7 @@ class Renderer:
             if len(tokens) - 1 < first and seg.complete:
                 raise SegmentOrderError(f"segment {seg.id!r} renders to no tokens; give it some text")
             # an unfinished turn may be empty (plain text has no generation prompt): an empty span
-            spans.append(Span(seg.id, seg.kind, first, len(tokens) - 1, bool(seg.pinned)))
+            spans.append(Span(seg.id, seg.kind, first, len(tokens) - 1, bool(seg.pinned), seg.priority))
         return Rendered(tuple(tokens), tuple(spans))
 
 

@@ -10,6 +10,7 @@ session run in the order they were made, whatever thread (or coroutine, ``kvagen
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -61,6 +62,7 @@ class Session:
         self._strategy = get_strategy(edit_strategy)
         self._compact_after, self._share_prefix, self._fidelity = compact_after, share_prefix, fidelity
         self._stream: tuple[Job, weakref.ref[GenerationStream]] | None = None
+        self._warned: set[str] = set()  # fallback reasons already logged at WARNING
 
     # -- state ------------------------------------------------------------------------------------
     seq = property(lambda self: self.state.seq, doc="The backend sequence id this session's KV lives in.")
@@ -205,8 +207,13 @@ class Session:
             new = self.renderer.render(segments)
             reason = splice_refusal(self.state, old, new, index)
             if reason is not None:
-                log.info("splice of %r on sequence %d: %s; recomputing from the field", name, self.seq, reason)
-                return (yield from self.replace_work(segments))
+                # no silent fallback (issue 14): the report says why, the log says it once per session and reason
+                if reason not in self._warned:
+                    self._warned.add(reason)
+                    log.warning("field %r cannot be spliced exactly on sequence %d (%s): recomputing from the field",
+                                name, self.seq, reason)
+                report = yield from self.replace_work(segments)
+                return dataclasses.replace(report, recomputed_because=reason)
             self._segments, self._rendered = segments, new  # from here the prompt holds the new value
             return (yield from splice_field(self.state, old, new, index, refresh))
         return self._run(work())  # type: ignore[no-any-return]

@@ -1,12 +1,16 @@
-"""What every benchmark shares: where results go, the machine description, median, JSON writing.
+"""What every benchmark shares: where results go, the machine description, median, JSON writing, and
+95% confidence intervals for accuracies (Wilson) and perplexities (block bootstrap).
 
 The results folder, the machine description and JSON writing live in :mod:`kvagent.results` (the
 measurement commands outside the benchmarks use them too) and are re-exported here."""
 
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
+
+import numpy as np
 
 from kvagent.results import RESULTS_DIR, machine, write_json
 
@@ -15,4 +19,55 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-__all__ = ["RESULTS_DIR", "machine", "median", "write_json"]
+def _z(confidence: float) -> float:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    return statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+
+
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval ``(low, high)`` for a proportion of ``successes`` out of ``n`` trials.
+
+    Unlike the normal approximation it stays inside [0, 1] and is not empty at 0/n or n/n (E. B. Wilson,
+    "Probable inference, the law of succession, and statistical inference", JASA 1927,
+    https://doi.org/10.1080/01621459.1927.10502953). ``ValueError`` unless ``0 <= successes <= n`` and ``n >= 1``.
+    """
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n and n >= 1, got {successes}/{n}")
+    z = _z(confidence)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def bootstrap_perplexity_interval(nll: Sequence[np.ndarray], block: int = 64, reps: int = 2000, seed: int = 0,
+                                  confidence: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval ``(low, high)`` for the perplexity of per-token NLLs, as perplexities.
+
+    ``nll``: one ``[tokens]`` array of negative log-likelihoods (nats) per text. Each text is cut into
+    consecutive blocks of ``block`` tokens (the last one may be shorter; no block spans two texts: nearby
+    tokens are correlated, blocks keep that); ``reps`` resamples draw as many blocks with replacement and give
+    ``exp(sum of NLL / tokens)``; the interval is their ``(1 - confidence) / 2`` and ``(1 + confidence) / 2``
+    quantiles. Seeded: the same input and ``seed`` give the same interval. ``(nan, nan)`` without tokens.
+    """
+    if block < 1 or reps < 1:
+        raise ValueError(f"block and reps must be >= 1, got block={block}, reps={reps}")
+    _z(confidence)  # validates confidence
+    sums, counts = [], []
+    for text in nll:
+        values = np.asarray(text, dtype=np.float64)
+        for start in range(0, values.size, block):
+            sums.append(values[start : start + block].sum())
+            counts.append(min(block, values.size - start))
+    if not sums:
+        return float("nan"), float("nan")
+    s, c = np.array(sums), np.array(counts, dtype=np.float64)
+    pick = np.random.default_rng(seed).integers(0, s.size, size=(reps, s.size))
+    ppl = np.exp(s[pick].sum(axis=1) / c[pick].sum(axis=1))
+    low, high = np.quantile(ppl, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
+__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "machine", "median", "wilson_interval", "write_json"]

@@ -341,7 +341,7 @@ async def run_async(
     try:
         settings = engine.engine.settings
         chunk = settings.prefill_chunk
-        flash = settings.flash_attn
+        flash = settings.backend_config().flash_attn
         info = {"n_ctx": settings.n_ctx, "n_seq_max": settings.n_seq_max, "n_threads": settings.n_threads,
                 "prefill_chunk": chunk, "flash_attn": flash, "plan": dataclasses.asdict(plan)}
         backend = engine.engine.backend

@@ -1,290 +1,332 @@
 """``kvagent bench evict``: eviction policies on real prose (source paper B and its baselines).
 
-Three tasks per model, every policy run in the same process so ratios compare like with like:
+Four tasks per model, every policy run in the same process so ratios compare like with like:
 
-- ``retention``: facts mentioned once (codes, names, numbers) at random depths of 2k tokens of
-  public-domain prose (``kvagent/data/prose``), streamed through a session with chunked cycles
-  (infer ``chunk`` tokens, prune to the budget), then the question (pinned) and a greedy answer of a
-  few tokens; accuracy per policy and budget (25% / 50% of the prompt) next to the full cache.
-- ``perplexity``: streaming perplexity of real continuations, the cache pruned in cycles while the
-  text is decoded in chunks; every token's log-probability is scored with the cache it saw.
-- ``latency``: one scoring cycle at cache sizes 512 and 4096 for surprise fast vs full (ratio in one
-  run), H2O and TOVA. Full surprise's mirror cache is built before timing: a cycle only extends it.
+- ``retention``: facts mentioned once (codes, names, numbers, dates, ...) in public-domain prose
+  (``kvagent/data/prose``, cases from :mod:`kvagent.bench.evict_suite`: 1, 2 or 4 facts, the asked one
+  early, in the middle or late), streamed through a sequence with chunked cycles (decode ``chunk`` tokens,
+  prune to the budget), then the question (pinned) as a cloze and a greedy answer of a few tokens; accuracy
+  per policy and budget (a share of the prompt) next to the full cache, with a 95% Wilson interval. Every
+  policy sees the same cells until its first cycle, so that prefix is decoded once per case and budget and
+  forked into each policy's sequence (:mod:`kvagent.bench.evict_stream`).
+- ``perplexity``: streaming perplexity of real continuations, the cache pruned in cycles while the text is
+  decoded in chunks; every token's log-probability is scored with the cache it saw; a 95% bootstrap
+  interval over 64-token blocks.
+- ``latency`` and ``overhead`` (:mod:`kvagent.bench.evict_timing`): one cycle per policy at a cache size,
+  next to the prefill of as many tokens; the share of decode time that eviction (capture and cycles) adds.
 
-JSON rows carry at least ``model, task, policy, budget, score, cycle_ms``.
+JSON rows (:func:`kvagent.bench.evict_report.row`) carry ``model, task, policy, budget, score, n, cycle_ms,
+ci_low, ci_high, overhead_share``; they are written after every task, so a long run keeps what it measured.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from kvagent.bench.common import RESULTS_DIR, median, write_json
+from kvagent.bench.common import RESULTS_DIR, bootstrap_perplexity_interval, median, wilson_interval, write_json
+from kvagent.bench.evict_report import plot, row
+from kvagent.bench.evict_stream import Stream, prefix_length
+from kvagent.bench.evict_suite import RetentionCase, make_retention_cases, make_stream_texts, score_answer
+from kvagent.bench.evict_timing import latency, overhead
+from kvagent.eviction import Eviction, Evictor
+from kvagent.policies import get_policy
 
 log = logging.getLogger(__name__)
 
 DEFAULT_JSON = RESULTS_DIR / "evict.json"
-# surprise-full runs in the latency task only: on 2 CPU cores one full pass over ~640 cells costs ~3 s,
-# ~35 s per 2k-token case; its ranking is compared with the fast one in the tests (rank correlation)
-POLICIES = ("window", "random", "importance", "h2o", "tova", "surprise", "surprise-paper")
-QUICK_POLICIES = ("window", "h2o", "tova", "surprise")
+# surprise-full runs in the latency task only: on 2 CPU cores one full pass over ~640 cells costs ~3 s
+POLICIES = ("window", "h2o", "tova", "surprise", "surprise-span")
+QUICK_POLICIES = ("window", "surprise", "surprise-span")
+LATENCY_POLICIES = ("surprise", "surprise-full", "h2o", "tova", "surprise-span")
 BUDGETS = (0.25, 0.5)
 
 
-def _engine(model: str, n_ctx: int) -> Any:
+@dataclass(frozen=True)
+class Plan:
+    """What a run measures: retention ``cases`` of ``tokens`` tokens at ``budgets`` (shares of the prompt)
+    and perplexity over ``texts`` texts of ``text_tokens``, for ``policies``; latency at cache ``sizes`` (for
+    :data:`LATENCY_POLICIES`); overhead at ``overhead_budget`` cells over ``overhead_steps`` decode steps (for
+    :data:`POLICIES`); ``chunk`` tokens per cycle."""
+
+    cases: int
+    tokens: int
+    budgets: tuple[float, ...]
+    policies: tuple[str, ...]
+    texts: int
+    text_tokens: int
+    sizes: tuple[int, ...]
+    overhead_budget: int
+    overhead_steps: int
+    chunk: int = 64
+
+    @classmethod
+    def for_run(cls, quick: bool, cases: int | None = None) -> Plan:
+        """The full plan or the ``--quick`` one (a few minutes per model on 2 cores); ``cases`` overrides."""
+        if quick:
+            return cls(cases or 3, 512, (0.25,), QUICK_POLICIES, 1, 512, (512,), 256, 128)
+        return cls(cases or 30, 1024, BUDGETS, POLICIES, 2, 1024, (512, 4096), 1024, 320)
+
+    @property
+    def n_ctx(self) -> int:
+        """Cells the retention / perplexity / overhead engine needs (prompt, question and answer; the
+        overhead baseline's uncapped cache)."""
+        return max(max(self.tokens, self.text_tokens) + 512, self.overhead_budget + self.chunk + self.overhead_steps + 64)
+
+
+def load_engine(model: str, n_ctx: int) -> Any:
+    """The benchmark's engine: native capture; three sequences (a shared prefix, a policy's fork, spare)."""
     from kvagent.engine import Engine
 
     return Engine.load(model, n_ctx=n_ctx, n_seq_max=3, capture="native")
 
 
-class _Stream:
-    """One sequence fed in chunks with eviction cycles (``evictor=None``: the full cache).
-
-    Drives the :class:`~kvagent.eviction.Evictor` the way a session does (infer ``chunk`` tokens, prune
-    to the budget), but lets the benchmark read every row of logits and pin chosen positions.
-    """
-
-    def __init__(self, backend: Any, seq: int, evictor: Any, chunk: int) -> None:
-        self.backend, self.seq, self.evictor, self.chunk = backend, seq, evictor, chunk
-        self.tokens: dict[int, int] = {}
-        self.pinned: set[int] = set()
-        self.cycle_ms: list[float] = []
-        self.next_pos = 0
-
-    def feed(self, ids: list[int], outputs: bool, pin: bool = False) -> np.ndarray:
-        """Decode ``ids`` after what was fed; returns logits of every token (``outputs``) or the last."""
-        rows = []
-        for s in range(0, len(ids), self.chunk):
-            part = ids[s : s + self.chunk]
-            pos = list(range(self.next_pos, self.next_pos + len(part)))
-            flags = [outputs] * (len(part) - 1) + [True]
-            if self.evictor is not None:
-                logits = self.evictor.decode(part, pos, self.seq, flags)
-            else:
-                logits = self.backend.decode(part, pos, [self.seq] * len(part), flags)
-            rows.append(logits)
-            self.tokens.update(zip(pos, part))
-            if pin:
-                self.pinned.update(pos)
-            self.next_pos += len(part)
-            if self.evictor is not None and self.evictor.due(len(self.tokens)):
-                cells = sorted(self.tokens)
-                report = self.evictor.cycle(self.seq, [self.tokens[p] for p in cells], cells,
-                                            [p in self.pinned for p in cells])
-                for p in report.evicted:
-                    del self.tokens[p]
-                self.cycle_ms.append(report.cycle_ms)
-        return np.vstack(rows) if outputs else rows[-1][-1:]
+# --- retention -----------------------------------------------------------------------------------------------
 
 
-def retention(engine: Any, policies: tuple[str, ...], budgets: tuple[float, ...], cases: int, tokens: int,
-              chunk: int, seed: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Fact-retention accuracy per policy and budget (plus the full cache, ``policy="full"``).
+@dataclass(frozen=True)
+class Answer:
+    """One policy's answer to one case: ``policy`` ("full": no eviction) at ``budget`` (share of the prompt,
+    None for the full cache), the answer's first line, each cycle's ms and the positions kept after it."""
 
-    The prose (with its facts) streams through the cache in cycles; then the question, pinned, as a
-    cloze (``Question: What is <key>?\nAnswer: <Key> is``) and up to 8 greedy tokens, judged by
-    ``evict_suite.score_answer``. The first token (the sink) is pinned too.
-    """
-    from kvagent.bench.evict_suite import make_retention_cases, score_answer
-    from kvagent.eviction import Eviction, Evictor
+    policy: str
+    budget: float | None
+    text: str
+    cycle_ms: tuple[float, ...]
+    kept: tuple[tuple[int, ...], ...]
 
+
+def case_prompt(backend: Any, case: RetentionCase) -> tuple[list[int], list[int], int]:
+    """``(prompt ids, cloze ids, answer tokens)``: the cloze is ``Question: What is <key>?\\nAnswer: <Key>
+    is``; up to as many tokens as the answer with its full stop, plus two, are generated."""
+    fact = case.asked_fact
+    cloze = f"\n\nQuestion: What is {fact.key}?\nAnswer: {fact.key[0].upper() + fact.key[1:]} is"
+    max_new = len(backend.tokenize(f" {fact.value}.", special=False)) + 2
+    return (backend.bos_ids + backend.tokenize(case.prompt, special=False), backend.tokenize(cloze, special=False),
+            max_new)
+
+
+def ask(backend: Any, stream: Stream, cloze: list[int], max_new: int) -> str:
+    """Feed the cloze (pinned), then generate greedily (pinned too) until an end token, a new line, a full
+    stop or ``max_new`` tokens; the first line of the answer, stripped."""
+    logits = stream.feed(cloze, outputs=False, pin=True)
+    out: list[int] = []
+    for _ in range(max_new):
+        token = int(np.argmax(logits[-1]))
+        if backend.is_eog(token):
+            break
+        out.append(token)
+        text = b"".join(backend.token_bytes(t) for t in out).decode("utf-8", "replace")
+        if "\n" in text or text.strip().endswith("."):
+            break
+        logits = stream.feed([token], outputs=False, pin=True)
+    return b"".join(backend.token_bytes(t) for t in out).decode("utf-8", "replace").split("\n")[0].strip()
+
+
+def _advance(stream: Stream, ids: list[int], end: int) -> None:
+    """Feed ``ids[stream.next_pos:end]`` (nothing if the stream is there already)."""
+    if end > stream.next_pos:
+        stream.feed(ids[stream.next_pos : end], outputs=False)
+
+
+def _recorder(engine: Any, policies: tuple[str, ...], chunk: int) -> Evictor:
+    """An Evictor that only records (its stream never cycles): it captures the hidden states when a policy
+    needs them, with the first such policy, else it is a window that captures nothing."""
+    name = next((p for p in policies if get_policy(p).needs_hidden), "window")
+    return Evictor(Eviction(name, budget=2, chunk=chunk), engine.backend, engine.model.path)
+
+
+def case_answers(engine: Any, case: RetentionCase, policies: tuple[str, ...], budgets: tuple[float, ...],
+                 chunk: int) -> list[Answer]:
+    """Every policy's answer at every budget, then the full cache's, sharing the prefix: one base sequence
+    decodes the prompt (first token pinned, then ``chunk`` at a time) up to each budget's first cycle, and
+    each policy forks from it; the base then finishes the prompt and answers as the full cache."""
     backend = engine.backend
-    suite = make_retention_cases(cases, tokens, lambda s: len(backend.tokenize(s, special=False)), seed)
-    runs: list[tuple[str, float | None]] = [("full", None)] + [(p, b) for b in budgets for p in policies]
+    ids, cloze, max_new = case_prompt(backend, case)
+    answers = []
+    with engine.scratch() as base_seq:
+        base = Stream(backend, base_seq, _recorder(engine, policies, chunk), chunk, cycles=False)
+        base.feed(ids[:1], outputs=False, pin=True)
+        for budget in sorted(budgets):
+            cells = int(budget * len(ids))
+            _advance(base, ids, prefix_length(cells, chunk, len(ids)))
+            for policy in policies:
+                evictor = Evictor(Eviction(policy, budget=cells, chunk=chunk), backend, engine.model.path)
+                with engine.scratch() as seq:
+                    stream = base.fork(seq, evictor)
+                    _advance(stream, ids, len(ids))
+                    text = ask(backend, stream, cloze, max_new)
+                answers.append(Answer(policy, budget, text, tuple(stream.cycle_ms), tuple(stream.kept)))
+        _advance(base, ids, len(ids))
+        answers.append(Answer("full", None, ask(backend, base, cloze, max_new), (), ()))
+    return answers
+
+
+def case_answer_alone(engine: Any, case: RetentionCase, policy: str | None, budget: float | None, chunk: int,
+                      hold_prefix: bool = False) -> Answer:
+    """One policy's answer decoded from scratch, without a shared prefix (``policy=None``: the full cache);
+    what :func:`case_answers` must reproduce.
+
+    llama.cpp's results depend slightly on which cells of the pool hold the tokens, and a shared run places
+    later tokens in other cells (its base sequence keeps the prefix's cells, so evicted ones are not reused).
+    ``hold_prefix``: a second sequence keeps this run's prefix cells from its first cycle on, as the base
+    does, so that both runs use the same cells and must agree exactly.
+    """
+    backend = engine.backend
+    ids, cloze, max_new = case_prompt(backend, case)
+    cells = int(budget * len(ids)) if policy is not None and budget is not None else None
+    evictor = None if cells is None else Evictor(Eviction(policy, budget=cells, chunk=chunk), backend, engine.model.path)
+    with engine.scratch() as seq, engine.scratch() as holder:  # the holder stays empty unless hold_prefix
+        stream = Stream(backend, seq, evictor, chunk, cycles=not hold_prefix)
+        stream.feed(ids[:1], outputs=False, pin=True)
+        if hold_prefix and cells is not None:
+            _advance(stream, ids, prefix_length(cells, chunk, len(ids)))
+            backend.seq_cp(seq, holder, 0, -1)
+        stream.cycles = True
+        stream.cycle_if_due()  # the cycle the last chunk made due, as in a stream that cycled all along
+        _advance(stream, ids, len(ids))
+        text = ask(backend, stream, cloze, max_new)
+    return Answer(policy or "full", budget, text, tuple(stream.cycle_ms), tuple(stream.kept))
+
+
+def retention(engine: Any, plan: Plan, seed: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Fact-retention accuracy per policy and budget, and of the full cache (``policy="full"``), with 95%
+    Wilson intervals; each row lists its ``answers`` (expected, got, ok, depth, kind, band, facts) and the
+    accuracy ``by_band``, ``by_kind`` and ``by_facts`` (``[correct, n]``)."""
+    backend = engine.backend
+    suite = make_retention_cases(plan.cases, plan.tokens, lambda s: len(backend.tokenize(s, special=False)), seed)
+    records: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
+    cycles: dict[tuple[str, float | None], list[float]] = {}
+    for i, case in enumerate(suite):
+        progress(f"{engine.model.name} retention case {i + 1}/{len(suite)}")
+        for answer in case_answers(engine, case, plan.policies, plan.budgets, plan.chunk):
+            key = (answer.policy, answer.budget)
+            records.setdefault(key, []).append({
+                "expected": case.answer, "got": answer.text, "ok": score_answer(answer.text, case.answer),
+                "depth": case.asked_depth, "kind": case.asked_kind, "band": case.band, "facts": len(case.facts),
+            })
+            cycles.setdefault(key, []).extend(answer.cycle_ms)
     rows = []
-    for policy, budget in runs:
-        correct, cycle_ms, depths, answers = 0, [], [], []
-        for i, case in enumerate(suite):
-            progress(f"{engine.model.name} retention {policy} {budget or ''} case {i + 1}/{len(suite)}")
-            ids = backend.bos_ids + backend.tokenize(case.prompt, special=False)
-            fact = case.asked_fact
-            cloze = f"\n\nQuestion: What is {fact.key}?\nAnswer: {fact.key[0].upper() + fact.key[1:]} is"
-            evictor = (Evictor(Eviction(policy, budget=int(budget * len(ids)), chunk=chunk), backend, engine.model.path)
-                       if budget else None)
-            with engine.scratch() as seq:
-                stream = _Stream(backend, seq, evictor, chunk)
-                stream.feed(ids[:1], outputs=False, pin=True)
-                stream.feed(ids[1:], outputs=False)
-                logits = stream.feed(backend.tokenize(cloze, special=False), outputs=False, pin=True)
-                out: list[int] = []
-                for _ in range(8):
-                    token = int(np.argmax(logits[-1]))
-                    if backend.is_eog(token):
-                        break
-                    out.append(token)
-                    text = b"".join(backend.token_bytes(t) for t in out).decode("utf-8", "replace")
-                    if "\n" in text or text.strip().endswith("."):
-                        break
-                    logits = stream.feed([token], outputs=False, pin=True)
-            answer = b"".join(backend.token_bytes(t) for t in out).decode("utf-8", "replace").split("\n")[0]
-            cycle_ms += stream.cycle_ms
-            ok = score_answer(answer, fact.value)
-            correct += ok
-            depths.append(case.asked_depth)
-            answers.append({"expected": fact.value, "got": answer.strip(), "ok": ok, "depth": case.asked_depth})
-        rows.append({
-            "model": engine.model.name, "task": "retention", "policy": policy, "budget": budget,
-            "budget_tokens": None if budget is None else int(budget * tokens), "score": correct / len(suite),
-            "n": len(suite), "cycle_ms": median(cycle_ms) if cycle_ms else None, "answers": answers,
-        })
-        log.info("retention %s %s: %.2f", policy, budget, correct / len(suite))
+    for policy, budget in sorted(records, key=lambda key: key[0] != "full"):  # the full cache first
+        answers = records[policy, budget]
+        correct = sum(a["ok"] for a in answers)
+        rows.append(row(
+            engine.model.name, "retention", policy, budget, correct / len(answers), len(answers),
+            median(cycles[policy, budget]) if cycles[policy, budget] else None, wilson_interval(correct, len(answers)),
+            budget_tokens=None if budget is None else int(budget * plan.tokens), answers=answers,
+            by_band=_breakdown(answers, "band"), by_kind=_breakdown(answers, "kind"),
+            by_facts=_breakdown(answers, "facts"),
+        ))
+        log.info("retention %s %s: %d/%d", policy, budget, correct, len(answers))
     return rows
 
 
-def perplexity(engine: Any, policies: tuple[str, ...], budgets: tuple[float, ...], texts: int, tokens: int,
-               chunk: int, seed: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Streaming perplexity with chunked cycles (the full cache as ``policy="full"``): every token is
-    scored with the cache it saw when it was decoded."""
-    from kvagent.bench.evict_suite import make_stream_texts
-    from kvagent.eviction import Eviction, Evictor
+def _breakdown(answers: list[dict[str, Any]], key: str) -> dict[str, list[int]]:
+    """``{value of key: [correct, n]}`` over the answers."""
+    out: dict[str, list[int]] = {}
+    for a in answers:
+        cell = out.setdefault(str(a[key]), [0, 0])
+        cell[0] += int(a["ok"])
+        cell[1] += 1
+    return out
 
+
+# --- perplexity ----------------------------------------------------------------------------------------------
+
+
+def perplexity(engine: Any, plan: Plan, seed: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Streaming perplexity with chunked cycles (the full cache as ``policy="full"``): every token is scored
+    with the cache it saw when it was decoded; a 95% bootstrap interval over 64-token blocks (seeded)."""
     backend = engine.backend
+    tokens = plan.text_tokens
     streams = [
         (backend.bos_ids + backend.tokenize(t, special=False))[:tokens]
-        for t in make_stream_texts(texts, tokens, lambda s: len(backend.tokenize(s, special=False)), seed)
+        for t in make_stream_texts(plan.texts, tokens, lambda s: len(backend.tokenize(s, special=False)), seed)
     ]
-    runs: list[tuple[str, float | None]] = [("full", None)] + [(p, b) for b in budgets for p in policies]
+    runs: list[tuple[str, float | None]] = [("full", None)] + [(p, b) for b in plan.budgets for p in plan.policies]
     rows = []
     for policy, budget in runs:
-        nll, count, cycle_ms = 0.0, 0, []
+        nll, cycle_ms = [], []
         for i, ids in enumerate(streams):
             progress(f"{engine.model.name} perplexity {policy} {budget or ''} text {i + 1}/{len(streams)}")
-            evictor = Evictor(Eviction(policy, budget=int(budget * tokens), chunk=chunk), backend, engine.model.path) if budget else None
+            evictor = (Evictor(Eviction(policy, budget=int(budget * tokens), chunk=plan.chunk), backend,
+                               engine.model.path) if budget else None)
             with engine.scratch() as seq:
-                stream = _Stream(backend, seq, evictor, chunk)
+                stream = Stream(backend, seq, evictor, plan.chunk)
                 first = stream.feed(ids[:1], outputs=True, pin=True)
                 logits = np.vstack([first, stream.feed(ids[1:], outputs=True)])
-            lp = logits[:-1].astype(np.float64)  # row t predicts token t+1
-            lse = np.log(np.exp(lp - lp.max(1, keepdims=True)).sum(1)) + lp.max(1)
-            nll += float((lse - lp[np.arange(len(ids) - 1), ids[1:]]).sum())
-            count += len(ids) - 1
+            nll.append(token_nll(logits, ids))
             cycle_ms += stream.cycle_ms
-        rows.append({
-            "model": engine.model.name, "task": "perplexity", "policy": policy, "budget": budget,
-            "budget_tokens": None if budget is None else int(budget * tokens), "score": math.exp(nll / count),
-            "n": len(streams), "tokens": count, "cycle_ms": median(cycle_ms) if cycle_ms else None,
-        })
+        count = sum(len(x) for x in nll)
+        rows.append(row(
+            engine.model.name, "perplexity", policy, budget, math.exp(sum(float(x.sum()) for x in nll) / count),
+            len(streams), median(cycle_ms) if cycle_ms else None, bootstrap_perplexity_interval(nll, seed=seed),
+            budget_tokens=None if budget is None else int(budget * tokens), tokens=count,
+        ))
         log.info("perplexity %s %s: %.2f", policy, budget, rows[-1]["score"])
     return rows
 
 
-def latency(model: str, sizes: tuple[int, ...], policies: tuple[str, ...], reps: int,
-            progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Time one scoring cycle per policy at each cache size, on hidden states captured from llama.cpp."""
-    from kvagent.bench.evict_suite import make_stream_texts
-    from kvagent.eviction import Eviction, Evictor
-    from kvagent.policies import CacheView, FullSurprise, get_policy
+def token_nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:
+    """``[len(ids) - 1]`` negative log-likelihood (nats) of each token after the first; row t of ``logits``
+    predicts token t + 1."""
+    lp = logits[:-1].astype(np.float64)
+    top = lp.max(1, keepdims=True)
+    lse = np.log(np.exp(lp - top).sum(1)) + top[:, 0]
+    return lse - lp[np.arange(len(ids) - 1), ids[1:]]
 
-    n_max = max(sizes)
-    engine = _engine(model, n_max + 256)
-    rows = []
-    with engine:
-        backend = engine.backend
-        text = make_stream_texts(1, n_max, lambda s: len(backend.tokenize(s, special=False)), 7)[0]
-        ids = (backend.bos_ids + backend.tokenize(text, special=False))[:n_max]
-        recorder = Evictor(Eviction("surprise", budget=n_max, chunk=64), backend, engine.model.path)
-        with engine.scratch() as seq:
-            progress(f"{model} latency: decoding {n_max} tokens with capture")
-            recorder.decode(ids, range(n_max), seq, [False] * (n_max - 1) + [True])
-        hidden = recorder.hidden_rows(np.arange(n_max))
-        for n in sizes:
-            view = CacheView(np.array(ids[:n]), np.arange(n), np.zeros(n, bool), np.ones(n, bool), hidden[:n], engine.model.path)
-            for name in policies:
-                policy = get_policy(name)
-                inner = getattr(policy, "inner", policy)
-                if isinstance(inner, FullSurprise):
-                    progress(f"{model} latency: building the full pass's mirror cache at n={n}")
-                    inner.update_mirror(view)  # the cache exists before a cycle; a cycle only extends it
-                else:
-                    policy.score(view)  # warm-up (loads weights, allocates)
-                times = []
-                for _ in range(reps):
-                    progress(f"{model} latency: {name} at n={n}")
-                    start = time.perf_counter()
-                    policy.score(replace(view, new=np.arange(n) >= n - 128))  # a cycle's new tokens
-                    times.append((time.perf_counter() - start) * 1000)
-                rows.append({"model": engine.model.name, "task": "latency", "policy": name, "budget": None,
-                             "score": None, "n": n, "cycle_ms": median(times)})
-        for n in sizes:  # the issue's ratio, measured in this run
-            by = {r["policy"]: r["cycle_ms"] for r in rows if r["n"] == n}
-            if "surprise" in by and "surprise-full" in by:
-                rows.append({"model": engine.model.name, "task": "latency", "policy": "full/fast", "budget": None,
-                             "score": by["surprise-full"] / by["surprise"], "n": n, "cycle_ms": None})
-    return rows
+
+# --- the run -------------------------------------------------------------------------------------------------
 
 
 def run(models: list[str], quick: bool, json_path: Path, command: str,
         progress: Callable[[str], None] = lambda _: None, cases: int | None = None) -> list[dict[str, Any]]:
-    """Every task on every model; writes JSON (and the caller plots). Rows already in ``json_path`` for
-    other models are kept, so models can be run one at a time."""
-    import json
+    """Every task on every model; writes the JSON after each task (the caller plots). Rows already in
+    ``json_path`` for other models (from a run of the same kind, quick or not) are kept, so models can be
+    run one at a time."""
+    plan = Plan.for_run(quick, cases)
+    rows = _rows_of_other_models(json_path, quick, models)
 
-    policies = QUICK_POLICIES if quick else POLICIES
-    tokens = 1024 if quick else 2048
-    cases = cases or (2 if quick else 5)
-    chunk = 128
-    rows: list[dict[str, Any]] = []
-    if json_path.is_file():
-        try:
-            old = json.loads(json_path.read_text())
-            if old.get("quick") == quick:
-                rows = [r for r in old["rows"] if not any(r["model"].startswith(m) for m in models)]
-        except (ValueError, KeyError):
-            rows = []
+    def save() -> None:
+        write_json(json_path, command, rows, quick=quick, chunk=plan.chunk, retention_tokens=plan.tokens,
+                   cases=plan.cases, plan=asdict(plan))
+
     for model in models:
-        engine = _engine(model, tokens + 512)
-        with engine:
-            rows += retention(engine, policies, (0.25,) if quick else BUDGETS, cases, tokens, chunk, 11, progress)
-            rows += perplexity(engine, policies, (0.25,) if quick else BUDGETS, 1 if quick else 2,
-                               512 if quick else 1024, 64, 5, progress)
-        rows += latency(model, (512,) if quick else (512, 4096), ("surprise", "surprise-full", "h2o", "tova"),
-                        1, progress)
-        write_json(json_path, command, rows, quick=quick, chunk=chunk, retention_tokens=tokens, cases=cases)
+        with load_engine(model, plan.n_ctx) as engine:
+            rows += retention(engine, plan, 11, progress)
+            save()
+            rows += perplexity(engine, plan, 5, progress)
+            save()
+            rows += overhead(engine, POLICIES, plan.overhead_budget, plan.chunk,
+                             plan.overhead_steps, 3, progress)
+            save()
+        with load_engine(model, max(plan.sizes) + 256) as engine:
+            rows += latency(engine, plan.sizes, LATENCY_POLICIES, progress)
+            save()
     return rows
 
 
-def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """One PNG per task next to the JSON: ``evict-<task>.png``."""
-    import matplotlib
+def _rows_of_other_models(json_path: Path, quick: bool, models: list[str]) -> list[dict[str, Any]]:
+    """The rows of ``json_path`` (if it is a run of the same kind) whose model is not among ``models``."""
+    if not json_path.is_file():
+        return []
+    try:
+        old = json.loads(json_path.read_text())
+        if old.get("quick") != quick:
+            return []
+        return [r for r in old["rows"] if not any(r["model"].startswith(m) for m in models)]
+    except (ValueError, KeyError):
+        log.warning("%s is not a benchmark JSON: its rows are not kept", json_path)
+        return []
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    paths = []
-    for task, ylabel in (("retention", "accuracy"), ("perplexity", "perplexity"), ("latency", "ms per cycle")):
-        sel = [r for r in rows if r["task"] == task and r["policy"] != "full/fast"]
-        if not sel:
-            continue
-        # the full cache (budget None) is drawn inside every budget group, not as a group of its own
-        groups = sorted({(r["model"], r["budget"] if task != "latency" else r["n"]) for r in sel
-                         if task == "latency" or r["budget"] is not None}, key=str)
-        policies = list(dict.fromkeys(r["policy"] for r in sel))
-        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
-        width = 0.8 / max(len(policies), 1)
-        for j, pol in enumerate(policies):
-            vals = []
-            for g in groups:
-                hit = [r for r in sel if r["policy"] == pol and (r["model"], r["budget"] if task != "latency" else r["n"]) == g]
-                if not hit and pol == "full":  # the full cache has no budget: draw it in every group
-                    hit = [r for r in sel if r["policy"] == "full" and r["model"] == g[0]]
-                vals.append(hit[0]["score" if task != "latency" else "cycle_ms"] if hit else np.nan)
-            ax.bar(np.arange(len(groups)) + j * width, vals, width, label=pol)
-        ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2)
-        ax.set_xticklabels([f"{m}\n{'n=' if task == 'latency' else 'budget '}{b}" for m, b in groups], fontsize=8)
-        ax.set_ylabel(ylabel)
-        if task == "latency":
-            ax.set_yscale("log")
-        ax.set_title(f"eviction: {task}")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = out_dir / f"evict-{task}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+__all__ = [
+    "DEFAULT_JSON", "Plan", "case_answer_alone", "case_answers", "load_engine", "perplexity", "plot", "retention", "run",
+]

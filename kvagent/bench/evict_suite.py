@@ -11,9 +11,12 @@ downloaded at run time.
 Retention cases (:func:`make_retention_cases`): a short instruction, then a contiguous passage of one book
 (random book, random start at a paragraph boundary) grown paragraph by paragraph until the whole prompt
 reaches ``target_tokens``. A few invented facts ("Note: the access code for the north gate is 4817.") are
-inserted at sentence boundaries at random depths; the question asks about one of them. The values are drawn
-from fixed pools by a seeded RNG, so they cannot be guessed from the prose, and the answer is short (one to
-three words) so that it can be judged on the first generated tokens (:func:`score_answer`).
+inserted at sentence boundaries; the question asks about one of them. The values are drawn from fixed pools
+by a seeded RNG, so they cannot be guessed from the prose, and the answer is short (one to three words) so
+that it can be judged on the first generated tokens (:func:`score_answer`). Over consecutive cases three
+things cycle so that a run of 30 is balanced: the number of facts (1, 2, 4), the depth band of the asked
+fact (early, middle, late: :data:`BANDS`) and the asked fact's kind (:data:`ASKED_GROUPS`: code, name,
+number, date, the rest); the other facts sit at uniform depths.
 
 Streaming texts (:func:`make_stream_texts`): contiguous passages of at least ``target_tokens`` tokens, for
 measuring perplexity while the cache is being evicted.
@@ -42,6 +45,10 @@ INSTRUCTION = (
 QUESTION_SEPARATOR = "\n\n"
 PARAGRAPH_SEPARATOR = "\n\n"
 DEPTH_RANGE = (0.05, 0.95)
+# where the asked fact is planted, as a fraction of the passage (the other facts: anywhere in DEPTH_RANGE)
+BANDS: dict[str, tuple[float, float]] = {"early": (0.05, 0.30), "middle": (0.35, 0.65), "late": (0.70, 0.95)}
+# facts per case, cycled over the cases when make_retention_cases is not given a fixed number
+FACTS_CYCLE = (1, 2, 4)
 
 # Words before a full stop that do not end a sentence ("Mr. Bennet", "St. James's", "Co."); single letters
 # (initials such as "R. Walton", "U. S. A.") are handled separately.
@@ -185,6 +192,11 @@ PASSWORDS = [
     "juniper", "kestrel", "marzipan", "tamarind", "gondola", "quartz", "wombat", "paprika", "zeppelin", "nutmeg",
     "armadillo", "tangerine",
 ]
+EVENTS = ["auction", "regatta", "flood", "harvest fair", "lantern procession", "ribbon cutting", "christening"]
+MONTHS = [
+    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "December",
+]
 
 
 def _person(rng: random.Random) -> str:
@@ -210,7 +222,15 @@ FACT_TEMPLATES: dict[str, Callable[[random.Random], tuple[str, str, str]]] = {
     "town": lambda r: _plain(f"the town where {_titled(r)} was born", r.choice(TOWNS)),
     "password": lambda r: _plain(f"the password for the {r.choice(DIRECTIONS)} {r.choice(LOCKED_PLACES)}",
                                  r.choice(PASSWORDS)),
+    "date": lambda r: _plain(f"the date of the {r.choice(EVENTS)} at {r.choice(SITES)}",
+                             f"{r.randint(1, 28)} {r.choice(MONTHS)} {r.randint(1800, 1899)}"),
 }
+# What the asked fact's kind cycles through, case by case: code, name, number, date, then every other template
+# ("the rest"); within a group the kinds take turns (case i asks group i % 5, member (i // 5) % len(group)).
+_NAMED_GROUPS: tuple[tuple[str, ...], ...] = (("code",), ("name",), ("count", "locker"), ("date",))
+ASKED_GROUPS: tuple[tuple[str, ...], ...] = (
+    *_NAMED_GROUPS, tuple(k for k in FACT_TEMPLATES if not any(k in g for g in _NAMED_GROUPS)),
+)
 
 
 def _plain(key: str, value: str) -> tuple[str, str, str]:
@@ -231,15 +251,20 @@ def question_for(fact: Fact) -> str:
     return f"Question: What is {fact.key}?\nAnswer:"
 
 
-def make_facts(rng: random.Random, k: int) -> list[Fact]:
+def make_facts(rng: random.Random, k: int, first_kind: str | None = None) -> list[Fact]:
     """``k`` facts with distinct keys and distinct values, templates cycled in a shuffled order.
 
-    Different templates are used before any repeats (up to the number of templates).
+    Different templates are used before any repeats (up to the number of templates). ``first_kind``: the
+    first fact's template (the others follow in the shuffled order of the rest); ``ValueError`` if unknown.
     """
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
-    kinds = list(FACT_TEMPLATES)
+    if first_kind is not None and first_kind not in FACT_TEMPLATES:
+        raise ValueError(f"unknown fact kind {first_kind!r}: use one of {', '.join(FACT_TEMPLATES)}")
+    kinds = [kind for kind in FACT_TEMPLATES if kind != first_kind]
     rng.shuffle(kinds)
+    if first_kind is not None:
+        kinds.insert(0, first_kind)
     facts: list[Fact] = []
     keys: set[str] = set()
     values: set[str] = set()
@@ -270,7 +295,8 @@ class RetentionCase:
     ``question`` is about and ``answer`` is its value. Feed ``prompt``, evict, then feed
     ``QUESTION_SEPARATOR + question`` (or use :attr:`text` for the whole thing) and judge the generation with
     :func:`score_answer`. ``target_tokens`` is the length the prompt was grown to (at least); ``source`` is the
-    slug of the book the passage starts in.
+    slug of the book the passage starts in; ``band`` names the :data:`BANDS` range of the passage the asked
+    fact was planted in ("" for a case built without one).
     """
 
     prompt: str
@@ -281,11 +307,17 @@ class RetentionCase:
     target_tokens: int
     asked: int = 0
     source: str = ""
+    band: str = ""
 
     @property
     def asked_fact(self) -> Fact:
         """The fact the question is about."""
         return self.facts[self.asked]
+
+    @property
+    def asked_kind(self) -> str:
+        """The template of the fact the question is about (a key of :data:`FACT_TEMPLATES`)."""
+        return self.facts[self.asked].kind
 
     @property
     def asked_depth(self) -> float:
@@ -301,8 +333,9 @@ class RetentionCase:
 def _insert_facts(
     paragraphs: list[str], facts: list[Fact], wanted: list[float]
 ) -> tuple[str, tuple[float, ...]] | None:
-    """The prompt with each fact inserted at the sentence start nearest its wanted depth (distinct starts),
-    and the depths where the sentences ended up; ``None`` if there are fewer sentence starts than facts."""
+    """The prompt with each fact inserted at the sentence start nearest its wanted depth (distinct starts,
+    taken in list order: an earlier fact chooses first), and the depths where the sentences ended up;
+    ``None`` if there are fewer sentence starts than facts."""
     passage = PARAGRAPH_SEPARATOR.join(paragraphs)
     candidates: list[int] = []
     offset = 0
@@ -323,26 +356,43 @@ def _insert_facts(
     return prompt, depths
 
 
+def case_plan(i: int, facts_per_case: int | None = None) -> tuple[int, str, str]:
+    """What case ``i`` of a run holds: ``(facts, band, asked kind)``.
+
+    Facts cycle over :data:`FACTS_CYCLE` (case ``i % 3``) unless ``facts_per_case`` fixes them; the band over
+    :data:`BANDS` by ``(i + i // 3) % 3``, so every (facts, band) pair occurs in 9 consecutive cases and each
+    band once in every 3; the kind over :data:`ASKED_GROUPS` (group ``i % 5``, member ``(i // 5) % size``).
+    """
+    facts = FACTS_CYCLE[i % len(FACTS_CYCLE)] if facts_per_case is None else facts_per_case
+    band = list(BANDS)[(i + i // len(BANDS)) % len(BANDS)]
+    group = ASKED_GROUPS[i % len(ASKED_GROUPS)]
+    return facts, band, group[(i // len(ASKED_GROUPS)) % len(group)]
+
+
 def _retention_case(
-    corpus: _Corpus, rng: random.Random, target_tokens: int, facts_per_case: int
+    corpus: _Corpus, rng: random.Random, target_tokens: int, facts_per_case: int, band: str, kind: str
 ) -> RetentionCase:
-    facts = make_facts(rng, facts_per_case)
-    wanted = [rng.uniform(*DEPTH_RANGE) for _ in facts]
-    asked = rng.randrange(len(facts))
+    drawn = make_facts(rng, facts_per_case, first_kind=kind)
+    asked = rng.randrange(len(drawn))
+    facts = drawn[1:asked + 1] + drawn[:1] + drawn[asked + 1:]  # the asked fact (drawn first) at index `asked`
+    wanted = [rng.uniform(*BANDS[band]) if j == asked else rng.uniform(*DEPTH_RANGE) for j in range(len(facts))]
+    # the asked fact takes its sentence start first, so that it lands nearest to its wanted depth
+    order = [asked] + [j for j in range(len(facts)) if j != asked]
     count = corpus.count_tokens
     overhead = count(INSTRUCTION) + sum(count(f.sentence) for f in facts)
     slug, index = corpus.start(rng, target_tokens - overhead)
 
     paragraphs, stream = _take_paragraphs(corpus, slug, index, overhead, target_tokens)
     while True:
-        built = _insert_facts(paragraphs, facts, wanted)
+        built = _insert_facts(paragraphs, [facts[j] for j in order], [wanted[j] for j in order])
         if built is not None and count(built[0]) >= target_tokens:
             break
         nxt = next(stream, None)
         if nxt is None:
             raise ValueError(f"the shipped prose is too short for a {target_tokens}-token prompt")
         paragraphs.append(nxt[0])
-    prompt, depths = built
+    prompt = built[0]
+    depths = tuple(prompt.index(f.sentence) / len(prompt) for f in facts)
     fact = facts[asked]
     return RetentionCase(
         prompt=prompt,
@@ -353,6 +403,7 @@ def _retention_case(
         target_tokens=target_tokens,
         asked=asked,
         source=slug,
+        band=band,
     )
 
 
@@ -376,25 +427,28 @@ def make_retention_cases(
     target_tokens: int,
     count_tokens: Callable[[str], int],
     seed: int,
-    facts_per_case: int = 4,
+    facts_per_case: int | None = None,
 ) -> list[RetentionCase]:
     """``n`` retention cases whose prompts have at least ``target_tokens`` tokens by ``count_tokens``.
 
     Each case: a random book and a random start paragraph (chosen so that the rest of the book is long enough,
     when any start is), the instruction, then paragraphs appended until the prompt with its facts reaches the
-    target (a passage longer than the book continues into the next one); ``facts_per_case`` facts inserted at
-    sentence starts nearest to depths drawn uniformly from 0.05-0.95 of the passage; the question about one
-    of them, chosen at random. Deterministic: case ``i`` depends only on ``(seed, i)``.
+    target (a passage longer than the book continues into the next one); facts inserted at the sentence starts
+    nearest to their drawn depths; the question about one of them (at a random index of ``facts``). What
+    case ``i`` holds is :func:`case_plan`: the number of facts (``facts_per_case`` if given, else cycling
+    over 1, 2, 4), the asked fact's kind, and the band of the passage its depth is drawn from (uniformly);
+    the other facts' depths are uniform over 0.05-0.95 of the passage. Deterministic: case ``i`` depends
+    only on ``(seed, i)``.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if target_tokens <= 0:
         raise ValueError(f"target_tokens must be positive, got {target_tokens}")
-    if facts_per_case < 1:
+    if facts_per_case is not None and facts_per_case < 1:
         raise ValueError(f"facts_per_case must be >= 1, got {facts_per_case}")
     corpus = _Corpus(count_tokens)
     cases = [
-        _retention_case(corpus, random.Random(f"retention:{seed}:{i}"), target_tokens, facts_per_case)
+        _retention_case(corpus, random.Random(f"retention:{seed}:{i}"), target_tokens, *case_plan(i, facts_per_case))
         for i in range(n)
     ]
     log.debug("made %d retention cases of >= %d tokens (seed %d)", n, target_tokens, seed)

@@ -130,11 +130,11 @@ def bench_capture(
 @app.command("evict")
 def bench_evict(
     model: str = typer.Option(None, help="One model (default: every registry model)."),
-    quick: bool = typer.Option(False, help="Fewer cases, policies and sizes (about 3 minutes per model)."),
-    cases: int = typer.Option(None, help="Fact-retention cases per policy and budget (default 5; 2 with --quick)."),
+    quick: bool = typer.Option(False, help="Fewer cases, policies and sizes (under 4 minutes per model on 2 cores)."),
+    cases: int = typer.Option(None, help="Fact-retention cases per policy and budget (default 30; 3 with --quick)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/evict.json)."),
 ) -> None:
-    """Eviction policies: fact retention, streaming perplexity, per-cycle latency (source paper B)."""
+    """Eviction policies: fact retention, streaming perplexity, per-cycle latency, decode overhead (source paper B)."""
     from kvagent.bench import evict
 
     json_path = json_path or evict.DEFAULT_JSON
@@ -144,13 +144,16 @@ def bench_evict(
     evict.plot(rows, json_path.parent)
 
     def fmt(r: dict) -> str:
-        if r["task"] == "retention":
-            return f"{r['score']:.2f}"
-        return f"{r['score']:.2f}" if r["score"] is not None else "-"
+        if r["score"] is None:
+            return "-"
+        if r["task"] == "overhead":
+            return f"{r['score']:+.1%}"
+        ci = f" [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if r.get("ci_low") is not None else ""
+        return f"{r['score']:.2f}{ci}"
 
     print_table(
         f"eviction ({json_path})",
-        ("model", "task", "policy", "budget / n", "score", "ms per cycle"),
+        ("model", "task", "policy", "budget / n", "score [95% CI]", "ms per cycle"),
         [[r["model"], r["task"], r["policy"], str(r["budget"] if r["task"] != "latency" else r["n"]), fmt(r),
           f"{r['cycle_ms']:.1f}" if r.get("cycle_ms") is not None else "-"] for r in rows],
     )

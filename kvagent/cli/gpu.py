@@ -26,7 +26,7 @@ def gpu_info() -> dict[str, object]:
         **build_info(),
         "devices": [dataclasses.asdict(dev) for dev in gpu_devices()],
         "auto_n_gpu_layers": auto_gpu_layers(),
-        "flash_attn_default": EngineSettings().flash_attn,
+        "flash_attn_default": EngineSettings().backend_config().flash_attn,
         "env": {k: os.environ[k] for k in ("KVAGENT_GPU_LAYERS", "KVAGENT_FLASH_ATTN", "CUDA_VISIBLE_DEVICES")
                 if k in os.environ},
     }

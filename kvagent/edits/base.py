@@ -29,7 +29,11 @@ class EditTarget(Protocol):
 
 @dataclass(frozen=True)
 class EditReport:
-    """What an edit cost: tokens reused (cache kept, stale included), computed, and left stale."""
+    """What an edit cost: tokens reused (cache kept, stale included), computed, and left stale.
+
+    ``strategy`` is the strategy that actually ran; ``requested`` the one asked for (the same unless it fell
+    back, e.g. a field-only edit past Gemma-3's sliding window or after eviction ran as a recompute);
+    ``reason`` says why it fell back or ran uncalibrated (None when it ran as asked)."""
 
     strategy: str
     fields: tuple[str, ...]
@@ -37,6 +41,8 @@ class EditReport:
     computed: int
     stale: int
     seconds: float
+    requested: str = ""
+    reason: str | None = None
 
 
 class EditStrategy(ABC):
@@ -48,5 +54,7 @@ class EditStrategy(ABC):
     def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
         """Apply already-validated ``changes`` (field name -> value) to ``session``'s prompt and KV."""
 
-    def _report(self, session: EditTarget, changes: Mapping[str, object], reused: int, computed: int, seconds: float) -> EditReport:
-        return EditReport(self.name, tuple(changes), reused, computed, len(session.stale_positions), seconds)
+    def _report(self, session: EditTarget, changes: Mapping[str, object], reused: int, computed: int, seconds: float,
+                ran: str | None = None, reason: str | None = None) -> EditReport:
+        return EditReport(ran or self.name, tuple(changes), reused, computed, len(session.stale_positions), seconds,
+                          requested=self.name, reason=reason)

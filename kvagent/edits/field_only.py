@@ -27,11 +27,21 @@ class FieldOnly(EditStrategy):
     def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
         reused = computed = 0
         seconds = 0.0
-        refresh = self.refresh(session)
+        refresh, note = self.refresh(session), self.uncalibrated(session)
+        reasons: list[str] = []
         for field, value in changes.items():  # one field at a time: each splice re-reads the spans
             r = session.splice_field(field, value, refresh)
             reused, computed, seconds = r.reused, computed + r.computed, seconds + r.seconds
-        return self._report(session, changes, reused, computed, seconds)
+            if r.recomputed_because:
+                reasons.append(f"{field}: {r.recomputed_because}")
+        if reasons:  # at least one field could not be spliced exactly: what ran was a recompute from it
+            return self._report(session, changes, reused, computed, seconds, ran="recompute", reason="; ".join(reasons))
+        return self._report(session, changes, reused, computed, seconds, reason=note)
+
+    def uncalibrated(self, session: EditTarget) -> str | None:
+        """Why this strategy runs on defaults rather than a calibration for the session's model (None: it
+        needs none, or has one)."""
+        return None
 
     def refresh(self, session: EditTarget) -> Refresh | None:
         """Which downstream positions to recompute with the field; none for the field-only edit."""

@@ -10,6 +10,7 @@ positions come first and K defaults to 4.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from kvagent.edits.base import EditTarget
 
 DEFAULT_K = 4
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()  # model fingerprints already warned about (once per process)
 
 
 @dataclass(frozen=True)
@@ -55,3 +59,15 @@ class Selective(FieldOnly):
         ranker = OffsetRanker(tuple(offsets))
         top = k
         return lambda rendered, span: ranker.rank(rendered, span)[:top]
+
+    def uncalibrated(self, session: EditTarget) -> str | None:
+        if self.k is not None:  # the caller chose how many positions: the calibration's k is not in play
+            return None
+        if load_calibration(session.model_fingerprint) is not None:
+            return None
+        reason = (f"selective is not calibrated for this model: ran with k={DEFAULT_K} nearest downstream "
+                  "positions; run `kvagent edits calibrate --model <model>` to rank them")
+        if session.model_fingerprint not in _warned:
+            _warned.add(session.model_fingerprint)
+            log.warning(reason)
+        return reason

@@ -125,13 +125,16 @@ class CachedSequence:
         self.maybe_cycle(rendered)
 
     def maybe_cycle(self, rendered: Rendered) -> CycleReport | None:
-        """Run an eviction cycle when one is due; pinned spans of ``rendered`` are never evicted."""
+        """Run an eviction cycle when one is due; pinned spans of ``rendered`` are never evicted, and spans of a
+        lower priority go before those of a higher one."""
         ev = self.evictor
         if ev is None or not ev.due(self.cells):
             return None
         pinned_at = {p for span in rendered.spans if span.pinned for p in range(span.first, span.last + 1)}
+        priority_at = {p: span.priority for span in rendered.spans if span.priority for p in range(span.first, span.last + 1)}
         positions = self.cached_positions
-        report = ev.cycle(self.seq, [self.tokens[p] for p in positions], positions, [p in pinned_at for p in positions])
+        report = ev.cycle(self.seq, [self.tokens[p] for p in positions], positions, [p in pinned_at for p in positions],
+                          [priority_at.get(p, 0) for p in positions] if priority_at else None)
         self.evicted = self.evicted | frozenset(report.evicted)
         self.publish()
         return report

@@ -38,6 +38,7 @@ class PrefillReport:
     transplanted: int = 0  # tokens whose KV was copied from a compiled skill (not computed)
     fidelity: float | None = None  # cosine vs a recompute, when the fidelity guard checked this sync
     fell_back: bool = False  # the guard found the transplant too far off and adopted the recompute
+    recomputed_because: str | None = None  # a splice that could not be exact recomputed from the field: why
 
 
 def check_fits(n_tokens: int, n_ctx: int, can_evict: bool) -> None:

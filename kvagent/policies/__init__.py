@@ -7,6 +7,7 @@ from typing import Callable
 from kvagent.errors import EvictionError
 from kvagent.policies.attention import HeavyHitters, ImportanceSampling, LatestQuery
 from kvagent.policies.base import CacheView, EvictionPolicy, KeepSinks, select_keep
+from kvagent.policies.incremental import IncrementalSurprise
 from kvagent.policies.simple import RandomScores, Recency
 from kvagent.policies.spans import Spans
 from kvagent.policies.surprise import FastSurprise, FullSurprise
@@ -14,15 +15,17 @@ from kvagent.policies.surprise import FastSurprise, FullSurprise
 SINKS = 4  # first tokens every policy keeps (StreamingLLM's attention sinks)
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    # token-level: the paper's fast pass. Span-level variants: sentences (or clauses) cut from the token
+    # token-level: the paper's fast pass, kept up to date between cycles (IncrementalSurprise; the
+    # from-scratch pass is "surprise-scratch"). Span-level variants: sentences (or clauses) cut from the token
     # texts, or blocks of 16 positions, ranked by the max (mean, top-k mean) token surprise and kept whole;
     # "surprise" becomes span-level only once the fact-retention suite shows it wins (issue 13)
-    "surprise": lambda: KeepSinks(FastSurprise(), SINKS),
-    "surprise-span": lambda: KeepSinks(Spans(FastSurprise(), "sentence", "max", name="surprise-span"), SINKS),
-    "surprise-clause": lambda: KeepSinks(Spans(FastSurprise(), "clause", "max", name="surprise-clause"), SINKS),
-    "surprise-block": lambda: KeepSinks(Spans(FastSurprise(), "block", "max", name="surprise-block"), SINKS),
-    "surprise-span-mean": lambda: KeepSinks(Spans(FastSurprise(), "sentence", "mean", name="surprise-span-mean"), SINKS),
-    "surprise-span-topk": lambda: KeepSinks(Spans(FastSurprise(), "sentence", "topk", name="surprise-span-topk"), SINKS),
+    "surprise": lambda: KeepSinks(IncrementalSurprise(), SINKS),
+    "surprise-scratch": lambda: KeepSinks(FastSurprise(name="surprise-scratch"), SINKS),
+    "surprise-span": lambda: KeepSinks(Spans(IncrementalSurprise(), "sentence", "max", name="surprise-span"), SINKS),
+    "surprise-clause": lambda: KeepSinks(Spans(IncrementalSurprise(), "clause", "max", name="surprise-clause"), SINKS),
+    "surprise-block": lambda: KeepSinks(Spans(IncrementalSurprise(), "block", "max", name="surprise-block"), SINKS),
+    "surprise-span-mean": lambda: KeepSinks(Spans(IncrementalSurprise(), "sentence", "mean", name="surprise-span-mean"), SINKS),
+    "surprise-span-topk": lambda: KeepSinks(Spans(IncrementalSurprise(), "sentence", "topk", name="surprise-span-topk"), SINKS),
     "surprise-full": lambda: KeepSinks(FullSurprise(), SINKS),
     "surprise-paper": lambda: KeepSinks(FastSurprise(query="self", proxy="logit", name="surprise-paper"), SINKS),
     "window": lambda: KeepSinks(Recency(), SINKS),
@@ -47,6 +50,6 @@ def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
 
 __all__ = [
     "CacheView", "EvictionPolicy", "KeepSinks", "select_keep", "get_policy", "POLICIES", "FastSurprise",
-    "FullSurprise", "HeavyHitters", "ImportanceSampling", "LatestQuery", "Recency", "RandomScores",
+    "FullSurprise", "IncrementalSurprise", "HeavyHitters", "ImportanceSampling", "LatestQuery", "Recency", "RandomScores",
     "Spans",
 ]

@@ -81,10 +81,11 @@ class KeepSinks(EvictionPolicy):
         self.inner.kept(positions)
 
 
-def select_keep(scores: np.ndarray, pinned: np.ndarray, budget: int) -> np.ndarray:
-    """Indices (ascending) of the cells to keep: every pinned one, the last one, then the highest
-    scores until ``budget`` cells (ties: the later position wins). Pinned cells beyond the budget are
-    kept anyway; the caller reports that the budget is too small for the pinned segments."""
+def select_keep(scores: np.ndarray, pinned: np.ndarray, budget: int, priority: np.ndarray | None = None) -> np.ndarray:
+    """Indices (ascending) of the cells to keep: every pinned one, the last one, then by ``priority``
+    (``[n]``, segment eviction priority: higher kept first; default all equal), then the highest scores,
+    until ``budget`` cells (ties: the later position wins). Pinned cells beyond the budget are kept
+    anyway; the caller reports that the budget is too small for the pinned segments."""
     n = scores.size
     forced = pinned.copy()
     if n:
@@ -93,6 +94,7 @@ def select_keep(scores: np.ndarray, pinned: np.ndarray, budget: int) -> np.ndarr
     free = np.flatnonzero(~forced)
     if room and free.size:
         s = np.nan_to_num(np.asarray(scores, dtype=np.float64)[free], nan=-np.inf)
-        order = np.lexsort((free, s))[::-1]  # by score, then by position, descending
+        keys = (free, s) if priority is None else (free, s, np.asarray(priority, dtype=np.float64)[free])
+        order = np.lexsort(keys)[::-1]  # by priority, then score, then position, descending
         forced[free[order[:room]]] = True
     return np.flatnonzero(forced)

@@ -31,8 +31,8 @@ def prefix_bytes(engine: Engine, session: Session, n: int) -> bytes:
         return engine.backend.seq_save(scratch)
 
 
-def cold(engine: Engine, segments: list[Segment]) -> np.ndarray:
-    with engine.session(segments, chat=False, share_prefix=False) as s:
+def cold(engine: Engine, segments: list[Segment], chat: bool = False) -> np.ndarray:
+    with engine.session(segments, chat=chat, share_prefix=False) as s:
         return s.logits()
 
 
@@ -165,3 +165,87 @@ def test_refused_session_arguments_do_not_leak_sequences(engine: Engine) -> None
         with pytest.raises((KVAgentError, ValueError)):
             engine.session([POLICY], **kwargs)  # type: ignore[arg-type]
     assert engine.pool.free == free
+
+
+# --- no silent fallbacks (issue 14): the report names what ran and why, the log says it once ---------------
+def _long_notes(engine: Engine, n_tokens: int) -> Segment:
+    from kvagent.data import load_prose
+
+    words = load_prose()["pride_and_prejudice"].split()
+    text, count = [], 0
+    for i in range(0, len(words), 50):
+        chunk = " ".join(words[i : i + 50])
+        text.append(chunk)
+        count += len(engine.backend.tokenize(chunk, special=False))
+        if count >= n_tokens:
+            break
+    return Segment.memory(" ".join(text))
+
+
+def test_a_splice_that_cannot_be_exact_reports_the_recompute_and_warns_once(
+        engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """After eviction (both models) and, on Gemma-3, with more than its sliding window downstream, a
+    field-only edit recomputes from the field: the report names ``recompute``, what was asked and why, and
+    the second edit does not warn again. A splice that can be exact reports itself with no reason."""
+    from kvagent import Eviction
+
+    with open_session(engine) as s:
+        report = s.set("order_status", "shipped", strategy="field_only")
+        assert (report.strategy, report.requested, report.reason) == ("field_only", "field_only", None)
+    long_notes = _long_notes(engine, 700)
+    cases = [("evicted", {"eviction": Eviction("window", budget=400, chunk=64)})]
+    if engine.backend.n_swa:
+        cases.append(("sliding window", {}))
+    for why, kwargs in cases:
+        caplog.clear()
+        with engine.session([POLICY, STATUS.segment(), long_notes], chat=False, fields=[STATUS], share_prefix=False,
+                            **kwargs) as s:  # type: ignore[arg-type]
+            s.prefill()
+            first = s.set("order_status", "shipped", strategy="field_only")
+            second = s.set("order_status", "delivered", strategy="field_only")
+        assert (first.strategy, first.requested) == ("recompute", "field_only")
+        assert first.reason is not None and why in first.reason and second.reason == first.reason
+        warnings = [r for r in caplog.records if r.levelname == "WARNING" and "cannot be spliced" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+# --- fields anywhere (issue 14): after few-shot turns, as a tool result; every strategy -----------------------
+SHOTS = [Segment.user("Record: The order status is processing. What should I tell the customer?"),
+         Segment.assistant("That the order is being prepared.")]
+
+
+def late_field_session(engine: Engine, role: str) -> Session:
+    """Policy, two few-shot turns, then the field (a later system message, or a tool result in a user turn),
+    then notes: the field stands after turns."""
+    segs = [POLICY, *SHOTS, STATUS.segment(role=role), NOTES]
+    s = engine.session(segs, chat=True, fields=[STATUS], share_prefix=False)
+    s.prefill()
+    return s
+
+
+@pytest.mark.parametrize("role", ["system", "user"])
+@pytest.mark.parametrize("strategy", ["erratum", "recompute", "field_only", "selective", "all"])
+def test_a_field_after_turns_is_edited_by_every_strategy(engine: Engine, strategy: str, role: str) -> None:
+    """The prompt after the edit is the one the strategy says it holds: recompute and a splice refreshing
+    every downstream position equal a cold run of it (>= 0.999); the erratum appends and keeps the prefix;
+    field-only and selective keep the downstream as they say (stale)."""
+    probe = question_segments("Question: What is the order status?\nAnswer:")
+    with late_field_session(engine, role) as s:
+        n = len(s.tokens)
+        chosen = Selective(k=10**6) if strategy == "all" else strategy
+        report = s.set("order_status", "shipped", strategy=chosen)
+        assert s.field_values["order_status"] == "shipped"
+        assert report.reason is None or (strategy == "selective" and "not calibrated" in report.reason)
+        assert_spans_cover(s)
+        if strategy == "erratum":
+            assert report.reused == n and s.segments[-1].kind.value == "erratum"
+        elif strategy in ("field_only", "selective"):
+            field = s.rendered.span_of("field-order_status")
+            assert s.stale_positions and min(s.stale_positions) > field.last
+        s.extend(*probe)
+        got = s.logits()
+        segments = list(s.segments)
+    if strategy in ("erratum", "recompute", "all"):
+        assert cosine(got, cold(engine, segments, chat=True)) >= 0.999
+    else:
+        assert np.isfinite(got).all()

@@ -216,8 +216,8 @@ def test_invalid_order_changes_nothing(engine: Engine) -> None:
     with engine.session(support_prompt()) as s:
         s.prefill()
         tokens = s.tokens
-        with pytest.raises(SegmentOrderError, match="fields are declared before the first turn"):
-            s.extend(Segment.field("plan", "gold"))
+        with pytest.raises(SegmentOrderError, match="policies must come before"):
+            s.extend(Segment.policy("Be terse."))
         assert s.tokens == tokens and len(s.segments) == 4
 
 

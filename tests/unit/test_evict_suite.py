@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 from importlib import resources
 
 import pytest
@@ -17,7 +18,7 @@ def words(text: str) -> int:
     return len(text.split())
 
 
-# (n, target_tokens, facts_per_case, seed)
+# (n, target_tokens, facts_per_case (None: the 1-2-4 cycle), seed)
 RETENTION = [
     (3, 150, 1, 0),
     (4, 400, 4, 1),
@@ -25,12 +26,14 @@ RETENTION = [
     (2, 4000, 6, 11),
     (2, 9000, 3, 5),
     (1, 25000, 4, 3),  # longer than one book: the passage continues into the next
+    (6, 300, None, 2),
+    (9, 2000, None, 13),
 ]
 # (n, target_tokens, seed)
 STREAM = [(3, 100, 0), (2, 3000, 4), (1, 20000, 9)]
 
 
-@pytest.fixture(scope="module", params=RETENTION, ids=lambda p: f"n{p[0]}-t{p[1]}-f{p[2]}-s{p[3]}")
+@pytest.fixture(scope="module", params=RETENTION, ids=lambda p: f"n{p[0]}-t{p[1]}-f{p[2] or 'cycle'}-s{p[3]}")
 def retention(request: pytest.FixtureRequest) -> tuple[tuple[int, int, int, int], list[es.RetentionCase]]:
     n, target, k, seed = request.param
     return request.param, es.make_retention_cases(n, target, words, seed, facts_per_case=k)
@@ -113,6 +116,29 @@ def test_there_are_at_least_six_templates_and_all_get_used() -> None:
     assert kinds == set(es.FACT_TEMPLATES)
 
 
+@pytest.mark.parametrize("kind", sorted(es.FACT_TEMPLATES))
+@pytest.mark.parametrize("k", [1, 3, 12])
+def test_the_first_fact_has_the_kind_asked_for(kind: str, k: int) -> None:
+    facts = es.make_facts(random.Random(f"{kind}{k}"), k, first_kind=kind)
+    assert facts[0].kind == kind
+    assert len({f.kind for f in facts}) == min(k, len(es.FACT_TEMPLATES))  # still no repeat before all are used
+
+
+def test_an_unknown_first_kind_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="code"):
+        es.make_facts(random.Random(0), 2, first_kind="birthday")
+
+
+def test_dates_are_day_month_year() -> None:
+    rng = random.Random(5)
+    for _ in range(50):
+        key, value, stated = es.FACT_TEMPLATES["date"](rng)
+        day, month, year = value.split()
+        assert key.startswith("the date of the ") and " at " in key and stated == value
+        assert 1 <= int(day) <= 28 and month in es.MONTHS and 1800 <= int(year) <= 1899
+        assert es.score_answer(f" {value}.", value) and not es.score_answer(f"{month} {day}, {year}", value)
+
+
 @pytest.mark.parametrize("k", [1, 4, 8, 12])
 def test_facts_are_distinct_short_and_stated(k: int) -> None:
     facts = es.make_facts(random.Random(k), k)
@@ -133,6 +159,49 @@ def test_fact_values_do_not_come_from_the_prose() -> None:
         for f in es.make_facts(rng, 4):
             assert f.key.lower() not in corpus
             assert f.sentence.lower() not in corpus
+
+
+# --- what the cases hold -------------------------------------------------------------------------------------
+
+# (facts_per_case, cases) -> (facts per case, band, asked kind) of the first cases
+PLANS = [
+    (None, [(1, "early", "code"), (2, "middle", "name"), (4, "late", "count"), (1, "middle", "date"),
+            (2, "late", es.ASKED_GROUPS[-1][0]), (4, "early", "code"), (1, "late", "name"), (2, "early", "locker")]),
+    (3, [(3, "early", "code"), (3, "middle", "name"), (3, "late", "count"), (3, "middle", "date")]),
+]
+
+
+@pytest.mark.parametrize(("fixed", "expected"), PLANS)
+def test_case_plan_cycles(fixed: int | None, expected: list[tuple[int, str, str]]) -> None:
+    assert [es.case_plan(i, fixed) for i in range(len(expected))] == expected
+
+
+def test_thirty_cases_are_balanced() -> None:
+    """Over 30 cases: 10 of each fact count and band, 6 of each asked group, and every (count, band) pair."""
+    plans = [es.case_plan(i) for i in range(30)]
+    assert sorted(Counter(f for f, _, _ in plans).values()) == [10, 10, 10]
+    assert Counter(b for _, b, _ in plans) == {band: 10 for band in es.BANDS}
+    group = {kind: g for g in es.ASKED_GROUPS for kind in g}
+    assert Counter(group[k] for _, _, k in plans) == {g: 6 for g in es.ASKED_GROUPS}
+    assert {(f, b) for f, b, _ in plans[:9]} == {(f, b) for f in es.FACTS_CYCLE for b in es.BANDS}
+
+
+def test_asked_groups_cover_every_template_once() -> None:
+    kinds = [k for g in es.ASKED_GROUPS for k in g]
+    assert sorted(kinds) == sorted(es.FACT_TEMPLATES)
+    assert {"code", "name", "date"} <= set(kinds)
+
+
+def test_cases_follow_their_plan(retention) -> None:
+    (_, target, k, _), cases = retention
+    for i, case in enumerate(cases):
+        facts, band, kind = es.case_plan(i, k)
+        assert (len(case.facts), case.band, case.asked_kind) == (facts, band, kind)
+        low, high = es.BANDS[band]
+        head = len(es.INSTRUCTION) + 2  # the band is a share of the passage, the depth one of the prompt
+        within = (case.asked_depth * len(case.prompt) - head) / (len(case.prompt) - head)
+        if target >= 1500:  # long prompts: the snap to a sentence start barely moves the drawn depth
+            assert low - 0.02 <= within <= high + 0.02, (band, within)
 
 
 # --- retention cases ---------------------------------------------------------------------------------------------
@@ -158,12 +227,13 @@ def test_retention_cases_differ_within_a_run() -> None:
 def test_every_fact_sentence_occurs_once(retention) -> None:
     (n, _, k, _), cases = retention
     assert len(cases) == n
-    for case in cases:
-        assert len(case.facts) == k
+    for i, case in enumerate(cases):
+        facts = k if k is not None else es.FACTS_CYCLE[i % len(es.FACTS_CYCLE)]
+        assert len(case.facts) == facts
         for fact in case.facts:
             assert case.prompt.count(fact.sentence) == 1
             assert case.prompt.count(f"Note: {fact.key} is") == 1
-        assert case.prompt.count("Note: ") == k  # the prose itself has no "Note: " that could confuse
+        assert case.prompt.count("Note: ") == facts  # the prose itself has no "Note: " that could confuse
 
 
 def test_the_asked_fact_is_among_the_facts(retention) -> None:
@@ -234,7 +304,7 @@ def assert_contiguous(flat: list[str], paragraphs: list[str]) -> None:
     ), "paragraphs are not consecutive in the corpus"
 
 
-@pytest.mark.parametrize(("n", "target", "k"), [(-1, 100, 4), (1, 0, 4), (1, 100, 0)])
+@pytest.mark.parametrize(("n", "target", "k"), [(-1, 100, 4), (1, 0, 4), (1, 100, 0), (1, 100, -2)])
 def test_retention_rejects_bad_arguments(n: int, target: int, k: int) -> None:
     with pytest.raises(ValueError):
         es.make_retention_cases(n, target, words, 0, facts_per_case=k)

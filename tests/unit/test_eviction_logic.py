@@ -49,6 +49,29 @@ def test_select_keep(scores: list[float], pinned: list[int], budget: int, expect
     assert np.array_equal(mask, before)  # the caller's pinned mask is not modified
 
 
+
+# (id, scores, priority, pinned, budget, expected kept): lower-priority cells go first whatever their scores;
+# scores rank within one priority; pinned and the last cell are kept whatever their priority
+PRIORITY_CASES = [
+    ("low-priority-evicted-first", [9, 9, 1, 1, 0], [0, 0, 1, 1, 0], [], 3, [2, 3, 4]),
+    ("scores-within-a-priority", [9, 1, 5, 2, 0], [1, 1, 1, 0, 0], [], 3, [0, 2, 4]),
+    ("pinned-beats-priority", [9, 9, 1, 1, 0], [0, 0, 1, 1, 0], [0], 3, [0, 3, 4]),  # tie: later wins
+    ("equal-priorities-are-plain-scores", [5, 1, 4, 2, 3, 0], [2, 2, 2, 2, 2, 2], [], 3, [0, 2, 5]),
+    ("negative-priority", [9, 1, 1, 1, 0], [-1, 0, 0, 0, 0], [], 4, [1, 2, 3, 4]),
+]
+
+
+@pytest.mark.parametrize(("scores", "priority", "pinned", "budget", "expected"),
+                         [c[1:] for c in PRIORITY_CASES], ids=[c[0] for c in PRIORITY_CASES])
+def test_select_keep_with_segment_priority(scores: list[float], priority: list[int], pinned: list[int], budget: int,
+                                           expected: list[int]) -> None:
+    mask = np.zeros(len(scores), dtype=bool)
+    mask[pinned] = True
+    keep = select_keep(np.array(scores, dtype=np.float64), mask, budget, np.array(priority))
+    assert keep.tolist() == expected
+
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_select_keep_respects_the_budget(seed: int) -> None:
     rng = np.random.default_rng(seed)

@@ -70,3 +70,32 @@ def test_offset_ranker(offsets: tuple[int, ...], expected: list[int]) -> None:
     rendered = Rendered(tuple(range(10)), (Span("a", SegmentKind.POLICY, 0, 3, True), Span("f", SegmentKind.FIELD, 4, 4, True),
                                            Span("m", SegmentKind.MEMORY, 5, 9, False)))
     assert OffsetRanker(offsets).rank(rendered, rendered.spans[1]) == expected
+
+
+# (id, k, offsets, calibrated, expect a reason): selective says when it runs on defaults (issue 14)
+UNCALIBRATED_CASES = [
+    ("defaults-uncalibrated", None, None, False, True),
+    ("defaults-calibrated", None, None, True, False),
+    ("explicit-k-and-offsets", 3, (1, 2), False, False),
+    ("explicit-k-only", 3, None, False, False),
+    ("explicit-offsets-only", None, (1, 2), False, True),
+]
+
+
+@pytest.mark.parametrize(("k", "offsets", "calibrated", "reason"), [c[1:] for c in UNCALIBRATED_CASES],
+                         ids=[c[0] for c in UNCALIBRATED_CASES])
+def test_selective_names_an_uncalibrated_run(monkeypatch: pytest.MonkeyPatch, tmp_path: object, k: int | None,
+                                             offsets: tuple[int, ...] | None, calibrated: bool, reason: bool) -> None:
+    from types import SimpleNamespace
+
+    from kvagent.edits import Selective
+    from kvagent.edits.calibration import Calibration, save_calibration
+
+    monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path))
+    fingerprint = f"model-{calibrated}-{k}-{offsets}"
+    if calibrated:
+        save_calibration(fingerprint, Calibration(2, (1,), 0.9, 10))
+    got = Selective(k=k, offsets=offsets).uncalibrated(SimpleNamespace(model_fingerprint=fingerprint))  # type: ignore[arg-type]
+    assert (got is not None) == reason
+    if reason:
+        assert "kvagent edits calibrate" in got  # type: ignore[operator]

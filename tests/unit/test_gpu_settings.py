@@ -24,6 +24,8 @@ def test_unset_resolves_from_the_build_and_its_devices() -> None:
     assert auto_gpu_layers() == expected
     settings = EngineSettings()
     assert settings.n_gpu_layers is None and settings.backend_config().n_gpu_layers == expected
+    # flash attention follows the device: on with a GPU (its non-flash path gave NaN on an H200), off on a CPU
+    assert settings.flash_attn is None and settings.backend_config().flash_attn is bool(devices)
 
 
 def test_other_backends_stay_on_the_cpu() -> None:
@@ -36,9 +38,9 @@ def test_environment_sets_the_defaults_and_explicit_settings_win(monkeypatch: py
     assert EngineSettings().backend_config().n_gpu_layers == -1
     assert EngineSettings().flash_attn is True and EngineSettings().backend_config().flash_attn is True
     assert EngineSettings(n_gpu_layers=0).backend_config().n_gpu_layers == 0
-    assert EngineSettings(flash_attn=False).flash_attn is False
+    assert EngineSettings(flash_attn=False).backend_config().flash_attn is False
     monkeypatch.setenv("KVAGENT_FLASH_ATTN", "off")
-    assert EngineSettings().flash_attn is False
+    assert EngineSettings().flash_attn is False and EngineSettings().backend_config().flash_attn is False
 
 
 @pytest.mark.parametrize(("name", "value"), [("KVAGENT_GPU_LAYERS", "all"), ("KVAGENT_FLASH_ATTN", "maybe")])

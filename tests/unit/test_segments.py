@@ -32,7 +32,10 @@ ORDER_CASES = [
     ([P, Segment.skill("faq", "q&a", id="s"), F, U, Segment.erratum("status", "closed", id="e")], None),
     ([U, A, Segment.memory("likes tea", id="m")], None),
     ([F, P], "policies must come before"),
-    ([P, U, F], "fields are declared before the first turn"),
+    ([P, F, U, Segment.field("status", "open", id="f2")], "declared twice"),
+    # fields anywhere (issue 14): after few-shot turns, as a later system message or a tool result (user role)
+    ([P, U, A, F, Segment.user("and now?", id="u2")], None),
+    ([P, U, A, Segment.field("tool", "42", id="t", role="user"), Segment.erratum("tool", "43", id="e")], None),
     ([P, F, Segment.field("status", "x", id="f2")], "declared twice"),
     ([P, Segment.erratum("status", "closed", id="e")], "not declared before it"),
     ([P, P], "id is used twice"),
@@ -103,3 +106,11 @@ def test_bad_segments_are_refused(bad, match: str) -> None:  # type: ignore[no-u
 @pytest.mark.parametrize(("a", "b", "n"), [((), (1,), 0), ((1, 2, 3), (1, 2, 4), 2), ((1, 2), (1, 2), 2), ((5,), (6,), 0)])
 def test_common_prefix(a: tuple[int, ...], b: tuple[int, ...], n: int) -> None:
     assert common_prefix(a, b) == n
+
+
+def test_segment_priority_and_pinning_reach_the_span_table() -> None:
+    """Any segment may be pinned or carry an eviction priority (issue 13); the span table carries both."""
+    segs = [Segment.user("abc", priority=-1), Segment.user("de", pinned=True), Segment.memory("fgh", priority=2),
+            Segment.assistant("ij", priority=1)]
+    spans = Renderer(CharTokenizer(), FMT).render(segs).spans
+    assert [(sp.pinned, sp.priority) for sp in spans] == [(False, -1), (True, 0), (False, 2), (False, 1)]

@@ -1,0 +1,128 @@
+"""The eviction benchmark's machinery without a model: where the shared prefix ends, forking a stream on the
+fake backend (same answers and kept positions as a run from scratch), the views the latency task builds,
+per-token NLL, the rows and the figures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvagent.backends.fake import FakeBackend
+from kvagent.bench import evict
+from kvagent.bench.evict_report import row
+from kvagent.bench.evict_stream import prefix_length
+from kvagent.bench.evict_suite import make_retention_cases
+from kvagent.bench.evict_timing import cache_view
+from kvagent.engine import Engine, EngineSettings
+
+# (budget, chunk, prompt tokens, tokens decoded before the first cycle): the first token, then whole chunks
+# until budget + chunk cells are cached
+PREFIXES = [
+    (100, 64, 1000, 193),
+    (128, 64, 1000, 193),
+    (129, 64, 1000, 193),
+    (130, 64, 1000, 257),
+    (256, 64, 1000, 321),
+    (256, 64, 300, 300),  # the prompt ends first
+    (2, 1, 10, 3),
+]
+
+
+@pytest.mark.parametrize(("budget", "chunk", "total", "expected"), PREFIXES)
+def test_prefix_length(budget: int, chunk: int, total: int, expected: int) -> None:
+    got = prefix_length(budget, chunk, total)
+    assert got == expected
+    if got < total:  # a cycle is due after the last chunk, and was not one chunk earlier
+        assert (got - 1) % chunk == 0 and got >= budget + chunk > got - chunk
+
+
+@pytest.fixture
+def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
+    """An engine on the fake backend (no capture: only policies without hidden states run)."""
+    monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "fake-model.gguf"
+    model.write_bytes(b"GGUF" + bytes(range(60)))
+    eng = Engine(EngineSettings(model=str(model), n_ctx=1024, n_seq_max=3), backend=FakeBackend(n_ctx=1024, n_seq_max=3))
+    yield eng
+    eng.close()
+
+
+# (policies, budgets, chunk)
+SHARED = [
+    (("window", "random"), (0.25,), 64),
+    (("window", "random"), (0.5, 0.25), 32),
+    (("random",), (0.3,), 7),
+]
+
+
+@pytest.mark.parametrize(("policies", "budgets", "chunk"), SHARED)
+def test_a_shared_prefix_changes_nothing(engine: Engine, policies: tuple[str, ...], budgets: tuple[float, ...],
+                                         chunk: int) -> None:
+    """The fake's logits hash every cached cell's content, so equal answers mean equal caches."""
+    case = make_retention_cases(1, 300, lambda s: len(engine.backend.tokenize(s, special=False)), 4)[0]
+    shared = evict.case_answers(engine, case, policies, budgets, chunk)
+    assert [(a.policy, a.budget) for a in shared] == [(p, b) for b in sorted(budgets) for p in policies] + [("full", None)]
+    for answer in shared:
+        alone = evict.case_answer_alone(engine, case, None if answer.policy == "full" else answer.policy,
+                                        answer.budget, chunk)
+        assert (answer.text, answer.kept, len(answer.cycle_ms)) == (alone.text, alone.kept, len(alone.cycle_ms))
+        assert answer.policy == "full" or len(answer.kept) >= 2
+    assert engine.pool.free == 3  # every scratch sequence went back
+
+
+def test_cache_view_shifts_queries_and_previous_tokens_by_one() -> None:
+    ids = [5, 6, 7, 8, 9]
+    hidden = np.arange(15, dtype=np.float32).reshape(5, 3)
+    view = cache_view(ids, hidden, tuple("abcde"), Path("m.gguf"), 4, 2)
+    assert view.tokens.tolist() == [5, 6, 7, 8] and view.positions.tolist() == [0, 1, 2, 3]
+    assert view.new.tolist() == [False, False, True, True] and not view.pinned.any()
+    assert np.isnan(view.query_hidden[0]).all() and np.array_equal(view.query_hidden[1:], hidden[:3])
+    assert view.previous.tolist() == [-1, 5, 6, 7] and view.texts == ("a", "b", "c", "d")
+
+
+def test_token_nll_is_the_negative_log_softmax_of_the_next_token() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 11)).astype(np.float32) * 4
+    ids = rng.integers(0, 11, size=6).tolist()
+    probs = np.exp(logits.astype(np.float64)) / np.exp(logits.astype(np.float64)).sum(1, keepdims=True)
+    expected = [-np.log(probs[t, ids[t + 1]]) for t in range(5)]
+    assert evict.token_nll(logits, ids) == pytest.approx(expected)
+
+
+def test_every_row_has_the_common_keys() -> None:
+    r = row("m", "latency", "h2o", None, None, 512, 3.5, method="x")
+    assert {k: r[k] for k in ("ci_low", "ci_high", "overhead_share", "method")} == {
+        "ci_low": None, "ci_high": None, "overhead_share": None, "method": "x"}
+    assert row("m", "retention", "window", 0.25, 0.5, 30, None, (0.3, 0.7))["ci_high"] == 0.7
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_plans_fit_their_engine(quick: bool) -> None:
+    plan = evict.Plan.for_run(quick)
+    assert plan.n_ctx >= plan.tokens + 64  # a prompt, its question and answer, in the full cache
+    assert plan.n_ctx >= plan.overhead_budget + plan.chunk + plan.overhead_steps  # the uncapped baseline
+    assert evict.Plan.for_run(quick, cases=7).cases == 7
+
+
+def sample_rows() -> list[dict[str, Any]]:
+    rows = []
+    for model in ("a", "b"):
+        rows.append(row(model, "retention", "full", None, 1.0, 30, None, (0.88, 1.0)))
+        for budget in (0.25, 0.5):
+            for i, policy in enumerate(("window", "surprise")):
+                rows.append(row(model, "retention", policy, budget, 0.2 * (i + 1), 30, 1.0, (0.1, 0.6)))
+                rows.append(row(model, "perplexity", policy, budget, 30.0 + i, 2, 1.0, (25.0, 36.0)))
+        rows.append(row(model, "overhead", "window", 1024, 0.02, 320, 0.5, overhead_share=0.02))
+        rows += [row(model, "latency", p, None, None, n, 10.0 * n) for p in ("prefill", "h2o") for n in (512, 4096)]
+        rows.append(row(model, "latency", "fast/prefill", None, 0.1, 512, None))
+    return rows
+
+
+def test_plot_writes_one_figure_per_task(tmp_path: Path) -> None:
+    paths = evict.plot(sample_rows(), tmp_path)
+    assert sorted(p.name for p in paths) == [f"evict-{t}.png" for t in ("latency", "overhead", "perplexity", "retention")]
+    assert all(p.stat().st_size > 1000 for p in paths)
