@@ -97,9 +97,11 @@ class Segment:
         return cls(SegmentKind.MEMORY, text, id=id, pinned=pinned, priority=priority)
 
     @classmethod
-    def erratum(cls, name: str, value: object, *, template: str = DEFAULT_ERRATUM_TEMPLATE, id: str = "") -> Segment:
+    def erratum(cls, name: str, value: object, *, template: str = DEFAULT_ERRATUM_TEMPLATE, id: str = "",
+                role: str = "system") -> Segment:
+        """A field's update appended after it, as its own message of ``role`` (``kvagent.edits.Erratum``)."""
         text = template.format(name=name, value=value)
-        return cls(SegmentKind.ERRATUM, text, name=name, id=id, value=value, template=template)
+        return cls(SegmentKind.ERRATUM, text, role=role, name=name, id=id, value=value, template=template)
 
     def with_value(self, value: object) -> Segment:
         """The same FIELD (same id and template) holding another value."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from kvagent.chat_format import ChatFormat
 from kvagent.edits import EditReport, EditStrategy, get_strategy
 from kvagent.errors import KVAgentError, SessionClosedError
 from kvagent.fields import check_changes
@@ -194,6 +195,28 @@ class Session:
             ]))
         return self._run(work())  # type: ignore[no-any-return]
 
+    def _with_value(self, name: str, value: object) -> tuple[int, list[Segment]]:
+        """(index of field ``name``, the segments with that field holding ``value``)."""
+        index = next(i for i, s in enumerate(self._segments) if s.kind is SegmentKind.FIELD and s.name == name)
+        return index, [*self._segments[:index], self._segments[index].with_value(value), *self._segments[index + 1:]]
+
+    def splice_refusal(self, name: str, value: object) -> str | None:
+        """Why field ``name`` cannot be spliced to ``value`` exactly right now (after eviction, past a sliding
+        window, ...), or None when it can: what ``splice_field`` would fall back on. Prefills first."""
+        def work() -> Work[str | None]:
+            self._check_open()
+            old = self.rendered
+            yield from self.sync_work(old)
+            index, segments = self._with_value(name, value)
+            return splice_refusal(self.state, old, self.renderer.render(segments), index)
+        return self._run(work())  # type: ignore[no-any-return]
+
+    @property
+    def prompt_format(self) -> str:
+        """``chat`` when the session renders with the model's chat template, ``plain`` when it renders plain
+        text (``engine.session(chat=False)``); edit calibrations are kept per format."""
+        return "plain" if self.renderer.chat_format == ChatFormat.plain() else "chat"
+
     def splice_field(self, name: str, value: object, refresh: Refresh | None = None) -> PrefillReport:
         """Rewrite one field's KV in place, keeping the downstream KV stale except ``refresh`` positions
         (``kv.splice``); where that cannot be exact (after eviction, past a sliding window) it recomputes
@@ -202,8 +225,7 @@ class Session:
             self._check_open()
             old = self.rendered
             yield from self.sync_work(old)
-            index = next(i for i, s in enumerate(self._segments) if s.kind is SegmentKind.FIELD and s.name == name)
-            segments = [*self._segments[:index], self._segments[index].with_value(value), *self._segments[index + 1:]]
+            index, segments = self._with_value(name, value)
             new = self.renderer.render(segments)
             reason = splice_refusal(self.state, old, new, index)
             if reason is not None:

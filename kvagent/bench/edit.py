@@ -3,7 +3,10 @@
 For each case (the decision suite, :mod:`kvagent.edits.suite`): prefill the prompt, save its KV, then
 for each strategy restore the KV, apply the edit, append the question and read the decision. The oracle
 is ``recompute``; a *flip* is a case whose oracle decision differs from the decision before the edit, and
-recovery is counted over flips only (cases without a flip are no evidence). A cold prefill of the oracle's
+recovery is counted over flips only (cases without a flip are no evidence). Two splits (issue 14): the
+``calibration`` templates (:mod:`kvagent.edits.suite`, the ones calibrations are measured on) and the
+held-out ``test`` templates (:mod:`kvagent.edits.heldout`), each in the ``plain`` and ``chat`` formats; every
+row names its ``split`` and ``format``, and the ``auto`` rows count which strategy auto ran (``ran``). A cold prefill of the oracle's
 final context in a fresh sequence gives the re-prefill time and the noise check: on these Q4 models the
 same tokens in another KV layout shift logits by up to ~1 (DESIGN.md), so decisions with a margin below
 ``NEAR_TIE`` logits are reported apart ("clear" flips have both margins above it).
@@ -18,9 +21,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kvagent.bench.common import median, write_json
-from kvagent.edits import EditStrategy, Erratum
+from kvagent.edits import Combined, EditStrategy, Erratum
 from kvagent.edits.calibration import load_calibration
 from kvagent.edits.selective import DEFAULT_K
+from kvagent.edits.heldout import FORMATS, SPLITS, split_cases, split_templates
 from kvagent.edits.suite import TEMPLATES, Case, Decider, answerable, long_notes, make_cases, question_segments
 from kvagent.engine import Engine
 from kvagent.segments import Segment
@@ -28,7 +32,7 @@ from kvagent.session import Session
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("erratum", "field_only", "selective", "recompute")
+STRATEGIES = ("erratum", "field_only", "selective", "combined", "auto", "recompute")
 NEAR_TIE = 1.0
 
 
@@ -44,6 +48,7 @@ class CaseResult:
     decisions: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     context_tokens: int = 0
+    ran: dict[str, str] = field(default_factory=dict)  # the strategy that actually ran (auto's choice, a fallback)
 
     @property
     def flipped(self) -> bool:
@@ -55,18 +60,23 @@ class CaseResult:
 
 
 def _strategy(case: Case, name: str) -> str | EditStrategy:
-    # the erratum line mirrors each field's phrasing (kvagent.edits.suite.FieldFormat.erratum)
-    return Erratum(per_field=case.erratum_templates) if name == "erratum" else name
+    # calibration split: the erratum line mirrors each field's phrasing (kvagent.edits.suite.FieldFormat.erratum);
+    # the held-out split names none, so the strategies' own renderings are measured there
+    if name == "erratum":
+        return Erratum(per_field=case.erratum_templates)
+    if name == "combined":
+        return Combined(erratum=Erratum(per_field=case.erratum_templates))
+    return name
 
 
-def _edit_and_decide(session: Session, case: Case, strategy: str, decide: Decider) -> tuple[str, float, float]:
+def _edit_and_decide(session: Session, case: Case, strategy: str, decide: Decider) -> tuple[str, float, float, str]:
     start = time.perf_counter()
-    session.set_many(case.changes, strategy=_strategy(case, strategy))
+    report = session.set_many(case.changes, strategy=_strategy(case, strategy))
     session.extend(*question_segments(case.question))
     logits = session.logits()
     seconds = time.perf_counter() - start
     decision, margin = decide(logits)
-    return decision, margin, seconds
+    return decision, margin, seconds, report.strategy
 
 
 def run_case(
@@ -88,25 +98,27 @@ def run_case(
     session.extend(*question_segments(case.question))
     before, before_margin = decide(session.logits())
     reset()
-    oracle, oracle_margin, oracle_s = _edit_and_decide(session, case, "recompute", decide)
+    oracle, oracle_margin, oracle_s, _ = _edit_and_decide(session, case, "recompute", decide)
     final = list(session.segments)
-    with engine.session(final, share_prefix=False, chat=False) as cold:
+    with engine.session(final, share_prefix=False, chat=case.format == "chat") as cold:
         start = time.perf_counter()
         cold_decision, _ = decide(cold.logits())
         reprefill = time.perf_counter() - start
         context = len(cold.tokens)
     result = CaseResult(before, before_margin, oracle, oracle_margin, cold_decision, reprefill, truth, context_tokens=context)
     result.decisions["recompute"], result.seconds["recompute"] = oracle, oracle_s
+    result.ran["recompute"] = "recompute"
     for strategy in strategies:
         if strategy == "recompute":
             continue
         reset()
-        decision, _, seconds = _edit_and_decide(session, case, strategy, decide)
-        result.decisions[strategy], result.seconds[strategy] = decision, seconds
+        decision, _, seconds, ran = _edit_and_decide(session, case, strategy, decide)
+        result.decisions[strategy], result.seconds[strategy], result.ran[strategy] = decision, seconds, ran
     return result
 
 
-def summarise(model: str, template: str, results: list[CaseResult], strategies: Iterable[str]) -> list[dict[str, Any]]:
+def summarise(model: str, template: str, results: list[CaseResult], strategies: Iterable[str],
+              split: str = "calibration", format: str = "plain") -> list[dict[str, Any]]:
     flips = [r for r in results if r.flipped]
     clear = [r for r in flips if r.clear]
     rows = []
@@ -116,8 +128,13 @@ def summarise(model: str, template: str, results: list[CaseResult], strategies: 
 
         edit_s = median([r.seconds[strategy] for r in results])
         reprefill_s = median([r.reprefill_s for r in results])
+        ran: dict[str, int] = {}
+        for r in results:
+            name = r.ran.get(strategy, strategy)
+            ran[name] = ran.get(name, 0) + 1
         rows.append({
-            "model": model, "template": template, "strategy": strategy, "n_cases": len(results),
+            "model": model, "split": split, "format": format, "template": template, "strategy": strategy,
+            "ran": ran, "n_cases": len(results),
             "n_flips": len(flips), "flip_rate": len(flips) / len(results) if results else None,
             "recovery": recovered(flips), "n_clear_flips": len(clear), "recovery_clear": recovered(clear),
             # share of all cases whose decision is the right answer after the edit (the oracle errs too)
@@ -163,7 +180,8 @@ def latency_rows(engine: Engine, model: str, target_tokens: int, reps: int, stra
                 for s in strategies:
                     per[s].append(result.seconds[s])
     return [
-        {"model": model, "template": f"latency-{target_tokens}", "strategy": s, "n_cases": reps, "n_flips": None,
+        {"model": model, "split": "calibration", "format": "plain", "template": f"latency-{target_tokens}",
+         "strategy": s, "n_cases": reps, "n_flips": None,
          "recovery": None, "context_tokens": size, "edit_to_token_s": median(per[s]), "reprefill_s": median(reprefill),
          "speedup": median(reprefill) / median(per[s])}
         for s in strategies
@@ -173,50 +191,62 @@ def latency_rows(engine: Engine, model: str, target_tokens: int, reps: int, stra
 def run(
     models: list[str], n_cases: int, latency_tokens: int, latency_reps: int, json_path: Path,
     command: str, progress: Callable[[str], None] = lambda _: None,
+    splits: Iterable[str] = ("calibration",), formats: Iterable[str] = ("plain",),
 ) -> list[dict[str, Any]]:
+    """Every strategy on ``n_cases`` cases per template of each split and format, then the latency rows
+    (``latency_tokens`` 0: none)."""
     rows: list[dict[str, Any]] = []
     selective_k: dict[str, Any] = {}
+    splits, formats = list(splits), list(formats)
+    for bad, known in ((set(splits) - set(SPLITS), SPLITS), (set(formats) - set(FORMATS), FORMATS)):
+        if bad:
+            raise ValueError(f"unknown {', '.join(sorted(bad))}: use {', '.join(known)}")
     for model in models:
-        with Engine.load(model, n_ctx=4 * latency_tokens + 1024, n_seq_max=4) as engine:
+        with Engine.load(model, n_ctx=4 * max(latency_tokens, 512) + 1024, n_seq_max=4) as engine:
             cal = load_calibration(engine.fingerprint)
             selective_k[model] = {"k": cal.k if cal else DEFAULT_K, "calibrated": cal is not None}
-            for template in TEMPLATES.values():
-                decide = Decider.build(engine, template.answers)
-                # answers whose first token collides with another's are left out: draw until n remain
-                cases = [c for c in make_cases(template, 2 * n_cases) if answerable(c, template, decide)][:n_cases]
-                results = []
-                with engine.session(share_prefix=False, chat=False) as session:
-                    for i, case in enumerate(cases):
-                        truth = template.answer({**case.before, **case.changes})
-                        results.append(run_case(engine, session, case, decide, STRATEGIES, truth))
-                        progress(f"{model} {template.name} {i + 1}/{len(cases)}")
-                rows += summarise(model, template.name, results, STRATEGIES)
-            progress(f"{model} latency at {latency_tokens} tokens")
-            rows += latency_rows(engine, model, latency_tokens, latency_reps, STRATEGIES)
+            for split in splits:
+                for fmt in formats:
+                    for name, template in split_templates(split).items():
+                        decide = Decider.build(engine, template.answers)
+                        # answers whose first token collides with another's are left out: draw until n remain
+                        cases = [c for c in split_cases(split, name, 2 * n_cases, 0, fmt)
+                                 if answerable(c, template, decide)][:n_cases]
+                        results = []
+                        with engine.session(share_prefix=False, chat=fmt == "chat") as session:
+                            for i, case in enumerate(cases):
+                                truth = template.answer({**case.before, **case.changes})
+                                results.append(run_case(engine, session, case, decide, STRATEGIES, truth))
+                                progress(f"{model} {split} {fmt} {name} {i + 1}/{len(cases)}")
+                        rows += summarise(model, name, results, STRATEGIES, split, fmt)
+            if latency_tokens:
+                progress(f"{model} latency at {latency_tokens} tokens")
+                rows += latency_rows(engine, model, latency_tokens, latency_reps, STRATEGIES)
         write_json(json_path, command, rows, near_tie_logits=NEAR_TIE, selective=selective_k)
     return rows
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Recovery per strategy, grouped by model and template (bars), flip counts in the labels."""
+    """Recovery per strategy, grouped by model, split, format and template (bars), flip counts in the labels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [(r["model"], r["template"]) for r in rows if r["recovery"] is not None and r["strategy"] == "erratum"]
+    key = lambda r: (r["model"], r.get("split", "calibration"), r.get("format", "plain"), r["template"])  # noqa: E731
+    groups = [key(r) for r in rows if r["recovery"] is not None and r["strategy"] == "erratum"]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
     width = 0.8 / len(STRATEGIES)
     for j, strategy in enumerate(STRATEGIES):
         values = []
-        for model, template in groups:
-            row = next(r for r in rows if (r["model"], r["template"], r["strategy"]) == (model, template, strategy))
-            values.append(row["recovery"])
+        for group in groups:
+            row = next(r for r in rows if key(r) == group and r["strategy"] == strategy)
+            values.append(row["recovery"] or 0.0)
         ax.bar([i + j * width for i in range(len(groups))], values, width, label=strategy)
     labels = []
-    for model, template in groups:
-        row = next(r for r in rows if (r["model"], r["template"]) == (model, template))
-        labels.append(f"{model}\n{template}\n({row['n_flips']} flips)")
+    for group in groups:
+        row = next(r for r in rows if key(r) == group)
+        labels.append("\n".join(group) + f"\n({row['n_flips']} flips)")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], labels, fontsize=7)
     ax.set_ylabel("recovery of the full-recompute decision")
     ax.set_ylim(0, 1.05)

@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_JSON = RESULTS_DIR / "evict.json"
 # surprise-full runs in the latency task only: on 2 CPU cores one full pass over ~640 cells costs ~3 s
-POLICIES = ("window", "h2o", "tova", "surprise", "surprise-span")
-QUICK_POLICIES = ("window", "surprise", "surprise-span")
-LATENCY_POLICIES = ("surprise", "surprise-full", "h2o", "tova", "surprise-span")
+POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise")
+QUICK_POLICIES = ("window", "surprise-token", "surprise")
+LATENCY_POLICIES = ("surprise-token", "surprise-full", "h2o", "tova", "surprise")
 BUDGETS = (0.25, 0.5)
 
 
@@ -76,9 +76,11 @@ class Plan:
 
     @property
     def n_ctx(self) -> int:
-        """Cells the retention / perplexity / overhead engine needs (prompt, question and answer; the
-        overhead baseline's uncapped cache)."""
-        return max(max(self.tokens, self.text_tokens) + 512, self.overhead_budget + self.chunk + self.overhead_steps + 64)
+        """Cells the retention / perplexity / overhead engine needs: a prompt with its question and answer (and
+        the shared prefix beside a fork); for the overhead, the evicting sequence (budget + chunk + margin) and
+        the baseline's uncapped cache side by side in one pool."""
+        overhead = (self.overhead_budget + self.chunk + 64) + (self.overhead_budget + self.chunk + self.overhead_steps + 64)
+        return max(2 * max(self.tokens, self.text_tokens) + 512, overhead)
 
 
 def load_engine(model: str, n_ctx: int) -> Any:
@@ -286,42 +288,55 @@ def token_nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:
 # --- the run -------------------------------------------------------------------------------------------------
 
 
+TASKS = ("retention", "perplexity", "overhead", "latency")
+
+
 def run(models: list[str], quick: bool, json_path: Path, command: str,
-        progress: Callable[[str], None] = lambda _: None, cases: int | None = None) -> list[dict[str, Any]]:
-    """Every task on every model; writes the JSON after each task (the caller plots). Rows already in
-    ``json_path`` for other models (from a run of the same kind, quick or not) are kept, so models can be
-    run one at a time."""
+        progress: Callable[[str], None] = lambda _: None, cases: int | None = None,
+        tasks: tuple[str, ...] = TASKS) -> list[dict[str, Any]]:
+    """``tasks`` on every model; writes the JSON after each task (the caller plots). Rows already in
+    ``json_path`` (from a run of the same kind, quick or not) for other models or other tasks are kept, so
+    models and tasks can be run one at a time."""
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown eviction benchmark task(s) {sorted(unknown)}: use {', '.join(TASKS)}")
     plan = Plan.for_run(quick, cases)
-    rows = _rows_of_other_models(json_path, quick, models)
+    rows = _kept_rows(json_path, quick, models, tasks)
 
     def save() -> None:
         write_json(json_path, command, rows, quick=quick, chunk=plan.chunk, retention_tokens=plan.tokens,
                    cases=plan.cases, plan=asdict(plan))
 
     for model in models:
-        with load_engine(model, plan.n_ctx) as engine:
-            rows += retention(engine, plan, 11, progress)
-            save()
-            rows += perplexity(engine, plan, 5, progress)
-            save()
-            rows += overhead(engine, POLICIES, plan.overhead_budget, plan.chunk,
-                             plan.overhead_steps, 3, progress)
-            save()
-        with load_engine(model, max(plan.sizes) + 256) as engine:
-            rows += latency(engine, plan.sizes, LATENCY_POLICIES, progress)
-            save()
+        if set(tasks) - {"latency"}:
+            with load_engine(model, plan.n_ctx) as engine:
+                if "retention" in tasks:
+                    rows += retention(engine, plan, 11, progress)
+                    save()
+                if "perplexity" in tasks:
+                    rows += perplexity(engine, plan, 5, progress)
+                    save()
+                if "overhead" in tasks:
+                    rows += overhead(engine, POLICIES, plan.overhead_budget, plan.chunk,
+                                     plan.overhead_steps, 3, progress)
+                    save()
+        if "latency" in tasks:
+            with load_engine(model, max(plan.sizes) + 256) as engine:
+                rows += latency(engine, plan.sizes, LATENCY_POLICIES, progress)
+                save()
     return rows
 
 
-def _rows_of_other_models(json_path: Path, quick: bool, models: list[str]) -> list[dict[str, Any]]:
-    """The rows of ``json_path`` (if it is a run of the same kind) whose model is not among ``models``."""
+def _kept_rows(json_path: Path, quick: bool, models: list[str], tasks: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The rows of ``json_path`` (if it is a run of the same kind) that this run does not measure again: of
+    another model, or of a task not in ``tasks``."""
     if not json_path.is_file():
         return []
     try:
         old = json.loads(json_path.read_text())
         if old.get("quick") != quick:
             return []
-        return [r for r in old["rows"] if not any(r["model"].startswith(m) for m in models)]
+        return [r for r in old["rows"] if r["task"] not in tasks or not any(r["model"].startswith(m) for m in models)]
     except (ValueError, KeyError):
         log.warning("%s is not a benchmark JSON: its rows are not kept", json_path)
         return []

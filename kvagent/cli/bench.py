@@ -18,31 +18,44 @@ app = typer.Typer(help="Benchmarks: write JSON and a plot to bench/results/.", n
 @app.command("edit")
 def bench_edit(
     model: str = typer.Option(None, help="One model (default: every registry model)."),
-    quick: bool = typer.Option(False, help="A few cases per template (about 3 minutes)."),
-    cases: int = typer.Option(100, help="Cases per template and model (ignored with --quick)."),
+    quick: bool = typer.Option(False, help="6 cases per template, split and format, latency at 1k tokens (about 3 "
+                               "minutes per model, split and format)."),
+    cases: int = typer.Option(100, help="Cases per template, split, format and model (ignored with --quick)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/edit.json)."),
+    split: str = typer.Option("both", "--split", help="Templates: calibration (the ones calibrations use), test (the "
+                              "held-out ones, kvagent.edits.heldout) or both."),
+    formats: str = typer.Option("plain,chat", "--formats", help="Prompt formats, comma-separated: plain, chat."),
 ) -> None:
     """Every edit strategy against a full recompute: recovery on flips, edit-to-first-token vs re-prefill."""
     from rich.progress import Progress
 
     from kvagent.bench import edit
 
+    splits = {"both": ["calibration", "test"], "calibration": ["calibration"], "test": ["test"]}.get(split)
+    if splits is None:
+        console.print(f"[red]error:[/] unknown split {split!r}: use calibration, test or both")
+        raise typer.Exit(2)
+    fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    if not fmts or set(fmts) - {"plain", "chat"}:
+        console.print(f"[red]error:[/] unknown formats {formats!r}: use plain, chat or both comma-separated")
+        raise typer.Exit(2)
     json_path = json_path or (RESULTS_DIR / ("edit-quick.json" if quick else "edit.json"))
     n_cases, latency_tokens, reps = (6, 1000, 1) if quick else (cases, 2000, 3)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("edit benchmark", total=None)
         rows = edit.run(
             model_names(model), n_cases, latency_tokens, reps, json_path, command_line(),
-            progress=lambda msg: progress.update(task, description=msg),
+            progress=lambda msg: progress.update(task, description=msg), splits=splits, formats=fmts,
         )
     plot_path = json_path.with_suffix(".png")
     edit.plot(rows, plot_path)
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     print_table(
         f"edit strategies vs full recompute ({json_path}, {plot_path})",
-        ("model", "template", "strategy", "cases", "flips", "recovery", "clear flips", "recovery (clear)",
-         "accuracy", "edit->token s", "re-prefill s", "speedup"),
-        [[r["model"], r["template"], r["strategy"], str(r["n_cases"]), fmt(r["n_flips"], "d"),
+        ("model", "split", "format", "template", "strategy", "cases", "flips", "recovery", "clear flips",
+         "recovery (clear)", "accuracy", "edit->token s", "re-prefill s", "speedup"),
+        [[r["model"], r.get("split", "-"), r.get("format", "-"), r["template"], r["strategy"], str(r["n_cases"]),
+          fmt(r["n_flips"], "d"),
           fmt(r["recovery"], ".2f"), fmt(r.get("n_clear_flips"), "d"), fmt(r.get("recovery_clear"), ".2f"),
           fmt(r.get("accuracy"), ".2f"), f"{r['edit_to_token_s']:.3f}", f"{r['reprefill_s']:.3f}",
           f"{r['speedup']:.1f}x"] for r in rows],
@@ -133,14 +146,19 @@ def bench_evict(
     quick: bool = typer.Option(False, help="Fewer cases, policies and sizes (under 4 minutes per model on 2 cores)."),
     cases: int = typer.Option(None, help="Fact-retention cases per policy and budget (default 30; 3 with --quick)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/evict.json)."),
+    tasks: str = typer.Option("retention,perplexity,overhead,latency",
+                              help="Tasks to run, comma-separated; the JSON keeps the other tasks' rows."),
 ) -> None:
     """Eviction policies: fact retention, streaming perplexity, per-cycle latency, decode overhead (source paper B)."""
     from kvagent.bench import evict
 
     json_path = json_path or evict.DEFAULT_JSON
+    chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    if set(chosen) - set(evict.TASKS):
+        raise typer.BadParameter(f"unknown task(s) in {tasks!r}: use {', '.join(evict.TASKS)}", param_hint="--tasks")
     with console.status("eviction benchmark") as status:
         rows = evict.run(model_names(model), quick, json_path, command_line(),
-                         progress=lambda m: status.update(m), cases=cases)
+                         progress=lambda m: status.update(m), cases=cases, tasks=chosen)
     evict.plot(rows, json_path.parent)
 
     def fmt(r: dict) -> str:

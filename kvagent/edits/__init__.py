@@ -2,12 +2,16 @@
 
 ``erratum`` (default) appends a state-update line; ``recompute`` rebuilds from the field (the oracle);
 ``field_only`` rewrites only the field's KV; ``selective`` rewrites the field and the top-K downstream
-positions by causal effect.
+positions by causal effect; ``combined`` rewrites the field as ``field_only`` does and appends the erratum;
+``auto`` picks, per model, prompt format and situation, the cheapest of them measured to hold (a shipped
+calibration table; not the default).
 """
 
 from __future__ import annotations
 
+from kvagent.edits.auto import Auto
 from kvagent.edits.base import EditReport, EditStrategy
+from kvagent.edits.combined import Combined
 from kvagent.edits.erratum import Erratum
 from kvagent.edits.field_only import FieldOnly
 from kvagent.edits.recompute import Recompute
@@ -19,6 +23,8 @@ STRATEGIES: dict[str, type[EditStrategy]] = {
     "recompute": Recompute,
     "field_only": FieldOnly,
     "selective": Selective,
+    "combined": Combined,
+    "auto": Auto,
 }
 
 
@@ -32,4 +38,4 @@ def get_strategy(strategy: str | EditStrategy) -> EditStrategy:
         raise KVAgentError(f"unknown edit strategy {strategy!r}: use one of {', '.join(STRATEGIES)}") from None
 
 
-__all__ = ["STRATEGIES", "EditReport", "EditStrategy", "Erratum", "FieldOnly", "Recompute", "Selective", "get_strategy"]
+__all__ = ["STRATEGIES", "Auto", "Combined", "EditReport", "EditStrategy", "Erratum", "FieldOnly", "Recompute", "Selective", "get_strategy"]

@@ -25,6 +25,9 @@ class EditTarget(Protocol):
     def splice_field(
         self, name: str, value: object, refresh: Callable[[Rendered, Span], Iterable[int]] | None = None
     ) -> PrefillReport: ...
+    def splice_refusal(self, name: str, value: object) -> str | None: ...
+    @property
+    def prompt_format(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,9 @@ class EditReport:
     """What an edit cost: tokens reused (cache kept, stale included), computed, and left stale.
 
     ``strategy`` is the strategy that actually ran; ``requested`` the one asked for (the same unless it fell
-    back, e.g. a field-only edit past Gemma-3's sliding window or after eviction ran as a recompute);
-    ``reason`` says why it fell back or ran uncalibrated (None when it ran as asked)."""
+    back, e.g. a field-only edit past Gemma-3's sliding window or after eviction ran as a recompute, or
+    ``auto`` ran what it chose); ``reason`` says why it fell back, ran uncalibrated, or what ``auto`` chose
+    and why (None when it ran as asked)."""
 
     strategy: str
     fields: tuple[str, ...]

@@ -75,3 +75,134 @@ def calibrate(model: str, n_patch: int = 4, n_eval: int = 12, progress: Callable
             "model": model, "k": k, "recovery_by_k": recovery, "n_flips": flips,
             "top_offsets": [(o, round(mean[o], 3)) for o in offsets[:8]],
         }
+
+
+# --- the auto strategy's choice table (issue 14) ------------------------------------------------------------
+HOLD_RECOVERY = 0.95  # a strategy holds when it recovers this share of the recompute's decision flips ...
+HOLD_ACCURACY_GAP = 0.02  # ... and its accuracy is at most this far below the recompute's
+MIN_FLIPS = 8  # fewer flips than this in a format: nothing is counted as measured to hold there
+
+
+def _holds(m: dict[str, Any], oracle_accuracy: float) -> bool:
+    return (m["n_flips"] >= MIN_FLIPS and m["recovery"] is not None and m["recovery"] >= HOLD_RECOVERY
+            and m["accuracy"] >= oracle_accuracy - HOLD_ACCURACY_GAP)
+
+
+def choose_auto(measured: dict[str, dict[str, Any]], oracle_accuracy: float) -> dict[str, Any]:
+    """The auto choices from measured candidates (``field_only``, ``selective``, ``combined``,
+    ``erratum:<rendering>``): the best rendering (holds first, then recovery, then accuracy; ties: the
+    order of ``RENDERINGS``), the cheapest strategy that holds where the splice can be exact, and erratum or
+    recompute where it cannot."""
+    from kvagent.edits.auto import EXACT_ORDER
+    from kvagent.edits.erratum import RENDERINGS
+
+    renderings = [r for r in RENDERINGS if f"erratum:{r}" in measured]
+    rank = {r: i for i, r in enumerate(RENDERINGS)}
+
+    def score(r: str) -> tuple[bool, float, float, int]:
+        m = measured[f"erratum:{r}"]
+        return _holds(m, oracle_accuracy), m["recovery"] or 0.0, m["accuracy"], -rank[r]
+
+    best = max(renderings, key=score) if renderings else "system"
+    erratum_holds = bool(renderings) and _holds(measured[f"erratum:{best}"], oracle_accuracy)
+    exact = "recompute"
+    for choice in EXACT_ORDER:
+        key = f"erratum:{best}" if choice == "erratum" else choice
+        if choice == "recompute" or (key in measured and _holds(measured[key], oracle_accuracy)):
+            exact = choice
+            break
+    return {"exact": exact, "inexact": "erratum" if erratum_holds else "recompute", "rendering": best}
+
+
+def calibrate_auto(
+    model: str, n_cases: int = 12, formats: tuple[str, ...] = ("plain", "chat"), seed: int = 7,
+    out: str | None = None, progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Measure every cheap strategy against the recompute on the calibration split only (``suite.TEMPLATES``;
+    never the held-out templates), ``n_cases`` short-downstream cases per template and format, choose per
+    format (:func:`choose_auto`) and write the model's entry into the choice table at ``out`` (default: the
+    shipped ``kvagent/edits/data/auto.json``). Returns the entry.
+
+    Candidates: ``field_only``, ``selective`` (only where ``kvagent edits calibrate`` has ranked this
+    model's positions: measured with that K and ranking, which the table then keeps), ``combined``, and the
+    erratum in each rendering. Per candidate: recovery of the recompute's flips, accuracy (the right answer
+    after the edit), median edit-to-decision seconds."""
+    import json
+    import os
+    import statistics
+    import time
+    from pathlib import Path
+
+    from kvagent.edits.auto import build, load_table, shipped_table_path
+    from kvagent.edits.calibration import load_calibration
+    from kvagent.edits.erratum import RENDERINGS, Erratum
+    from kvagent.edits.heldout import split_cases
+
+    path = Path(out) if out else shipped_table_path()
+    with Engine.load(model, n_ctx=4096, n_seq_max=4) as engine:
+        selective = load_calibration(engine.fingerprint)
+        candidates: dict[str, Any] = {"field_only": "field_only"}
+        if selective is not None:
+            candidates["selective"] = Selective(k=selective.k, offsets=selective.offsets)
+        candidates["combined"] = "combined"
+        candidates.update({f"erratum:{r}": Erratum(rendering=r) for r in RENDERINGS})
+        formats_out: dict[str, Any] = {}
+        for fmt in formats:
+            decisions: dict[str, list[tuple[bool, bool, bool]]] = {k: [] for k in ["recompute", *candidates]}
+            seconds: dict[str, list[float]] = {k: [] for k in decisions}
+            with engine.session(share_prefix=False, chat=fmt == "chat") as session:
+                for name, template in TEMPLATES.items():
+                    decide = Decider.build(engine, template.answers)
+                    cases = [c for c in split_cases("calibration", name, 2 * n_cases, seed, fmt)
+                             if answerable(c, template, decide)][:n_cases]
+                    for i, case in enumerate(cases):
+                        truth = template.answer({**case.before, **case.changes})
+                        session.replace(list(case.segments))
+                        segments, blob = list(session.segments), session.save()
+                        session.extend(*question_segments(case.question))
+                        before, _ = decide(session.logits())
+
+                        def run(strategy: Any) -> tuple[str, float]:
+                            session.restore(blob, segments)
+                            start = time.perf_counter()
+                            session.set_many(case.changes, strategy=strategy)
+                            session.extend(*question_segments(case.question))
+                            decision = decide(session.logits())[0]
+                            return decision, time.perf_counter() - start
+
+                        oracle, s = run("recompute")
+                        flipped = oracle != before
+                        decisions["recompute"].append((flipped, True, oracle == truth))
+                        seconds["recompute"].append(s)
+                        for key, strategy in candidates.items():
+                            decision, s = run(strategy)
+                            decisions[key].append((flipped, decision == oracle, decision == truth))
+                            seconds[key].append(s)
+                        progress(f"{model} {fmt} {name} {i + 1}/{len(cases)}")
+            oracle_accuracy = sum(t for _, _, t in decisions["recompute"]) / len(decisions["recompute"])
+            measured: dict[str, dict[str, Any]] = {}
+            for key, rows in decisions.items():
+                flips = [hit for flipped, hit, _ in rows if flipped]
+                measured[key] = {
+                    "recovery": round(sum(flips) / len(flips), 4) if flips else None, "n_flips": len(flips),
+                    "accuracy": round(sum(t for _, _, t in rows) / len(rows), 4), "n_cases": len(rows),
+                    "edit_to_decision_s": round(statistics.median(seconds[key]), 4),
+                }
+            entry = {**choose_auto({k: v for k, v in measured.items() if k != "recompute"}, oracle_accuracy),
+                     "oracle_accuracy": round(oracle_accuracy, 4), "measured": measured,
+                     "templates": list(TEMPLATES), "cases_per_template": n_cases, "seed": seed,
+                     "selective": {"k": selective.k, "offsets": list(selective.offsets)} if selective else None}
+            build(entry["exact"], entry)  # the choice must name a strategy the auto edit can build
+            formats_out[fmt] = entry
+            progress(f"{model} {fmt}: exact -> {entry['exact']}, inexact -> {entry['inexact']} ({entry['rendering']})")
+        table = load_table(path)
+        models = table.setdefault("models", {})
+        previous = models.get(model, {})
+        kept = previous.get("formats", {}) if previous.get("fingerprint") == engine.fingerprint else {}
+        models[model] = {"fingerprint": engine.fingerprint, "formats": {**kept, **formats_out}}
+        table["hold"] = {"recovery": HOLD_RECOVERY, "accuracy_gap": HOLD_ACCURACY_GAP, "min_flips": MIN_FLIPS}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1) + "\n")
+        os.replace(tmp, path)
+        return {"model": model, "fingerprint": engine.fingerprint, "formats": formats_out, "path": str(path)}

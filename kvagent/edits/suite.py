@@ -141,7 +141,11 @@ TEMPLATES: dict[str, Template] = {
 
 @dataclass(frozen=True)
 class Case:
-    """One prompt (plain text, few-shot), its edit, and the question."""
+    """One prompt (plain text, few-shot), its edit, and the question.
+
+    ``split``: ``calibration`` (these templates: they may feed a calibration) or ``test`` (the held-out
+    templates of :mod:`kvagent.edits.heldout`); ``format``: ``plain`` (open the session with ``chat=False``)
+    or ``chat`` (``chat=True``); ``downstream``: ``short`` (a few sentences of notes) or ``long``."""
 
     template: str
     segments: tuple[Segment, ...]
@@ -149,6 +153,9 @@ class Case:
     changes: dict[str, str]
     question: str
     erratum_templates: dict[str, str]
+    split: str = "calibration"
+    format: str = "plain"
+    downstream: str = "short"
 
 
 def make_cases(template: Template, n: int, seed: int = 0, notes_sentences: int = 4) -> list[Case]:

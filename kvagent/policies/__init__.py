@@ -15,11 +15,14 @@ from kvagent.policies.surprise import FastSurprise, FullSurprise
 SINKS = 4  # first tokens every policy keeps (StreamingLLM's attention sinks)
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    # token-level: the paper's fast pass, kept up to date between cycles (IncrementalSurprise; the
-    # from-scratch pass is "surprise-scratch"). Span-level variants: sentences (or clauses) cut from the token
-    # texts, or blocks of 16 positions, ranked by the max (mean, top-k mean) token surprise and kept whole;
-    # "surprise" becomes span-level only once the fact-retention suite shows it wins (issue 13)
-    "surprise": lambda: KeepSinks(IncrementalSurprise(), SINKS),
+    # "surprise": span-level (sentences cut from the token texts, ranked by their most surprising token and
+    # kept whole), because the 30-case suite showed it keeps facts token-level scores lose (issue 13,
+    # BENCHMARKS.md); every surprise pass is kept up to date between cycles (IncrementalSurprise).
+    # "surprise-token": the paper's token-level fast pass; "surprise-scratch": the same, recomputed from scratch
+    # each cycle (the reference the incremental pass is tested against). Other span variants: clauses, blocks of
+    # 16 positions, mean or top-k mean aggregation
+    "surprise": lambda: KeepSinks(Spans(IncrementalSurprise(), "sentence", "max", name="surprise"), SINKS),
+    "surprise-token": lambda: KeepSinks(IncrementalSurprise(name="surprise-token"), SINKS),
     "surprise-scratch": lambda: KeepSinks(FastSurprise(name="surprise-scratch"), SINKS),
     "surprise-span": lambda: KeepSinks(Spans(IncrementalSurprise(), "sentence", "max", name="surprise-span"), SINKS),
     "surprise-clause": lambda: KeepSinks(Spans(IncrementalSurprise(), "clause", "max", name="surprise-clause"), SINKS),

@@ -99,3 +99,179 @@ def test_selective_names_an_uncalibrated_run(monkeypatch: pytest.MonkeyPatch, tm
     assert (got is not None) == reason
     if reason:
         assert "kvagent edits calibrate" in got  # type: ignore[operator]
+
+
+class FakeTarget:
+    """An EditTarget that records the calls; ``splice_because`` makes every splice report a recompute."""
+
+    model_fingerprint = "fake"
+
+    def __init__(self, splice_because: str | None = None) -> None:
+        from kvagent.segments import Segment
+
+        self.calls: list[str] = []
+        self._segments = [Segment.policy("p", id="p"), Segment.field("status", "a", id="f", template="S: {value}")]
+        self.splice_because = splice_because
+
+    segments = property(lambda self: tuple(self._segments))
+    stale_positions = property(lambda self: frozenset({5, 6}))
+
+    def _report(self, computed: int, because: str | None = None):  # type: ignore[no-untyped-def]
+        from kvagent.kv.sync import PrefillReport
+
+        return PrefillReport(reused=10, computed=computed, seconds=0.01, recomputed_because=because)
+
+    def extend(self, *segments):  # type: ignore[no-untyped-def]
+        self.calls.append("extend")
+        self._segments += segments
+        return self._report(len(segments) * 7)
+
+    def replace(self, segments):  # type: ignore[no-untyped-def]
+        self.calls.append("replace")
+        self._segments = list(segments)
+        return self._report(20)
+
+    def splice_field(self, name, value, refresh=None):  # type: ignore[no-untyped-def]
+        self.calls.append(f"splice {name}={value}")
+        return self._report(3, self.splice_because)
+
+    prompt_format = "plain"
+    refusal: str | None = None  # what splice_refusal answers
+
+    def splice_refusal(self, name, value):  # type: ignore[no-untyped-def]
+        self.calls.append(f"refusal {name}")
+        return self.refusal
+
+
+@pytest.mark.parametrize(("because", "ran"), [(None, "combined"), ("the downstream KV was partly evicted", "recompute+erratum")])
+def test_combined_splices_then_appends_and_names_a_fallback(because: str | None, ran: str) -> None:
+    from kvagent.edits import Combined
+
+    target = FakeTarget(because)
+    report = get_strategy("combined").apply(target, {"status": "b"})  # type: ignore[arg-type]
+    assert isinstance(get_strategy("combined"), Combined)
+    assert target.calls == ["splice status=b", "extend"] and target.segments[-1].kind is SegmentKind.ERRATUM
+    assert (report.strategy, report.requested, report.computed) == (ran, "combined", 3 + 7)
+    assert report.reason == (None if because is None else f"status: {because}")
+
+
+def _rendered_erratum(target: FakeTarget) -> str:
+    """The last segment as the fake chat format renders it (``<role>text</role>``, one char a token)."""
+    from kvagent.segments import Renderer
+    from tests.unit.test_segments import FMT, CharTokenizer
+
+    rendered = Renderer(CharTokenizer(), FMT).render(list(target.segments))
+    span = rendered.spans[-1]
+    return "".join(chr(abs(t)) for t in rendered.tokens[span.first : span.last + 1])
+
+
+@pytest.mark.parametrize(
+    ("rendering", "field_role", "expected"),
+    [
+        ("system", "system", "<system>[STATE UPDATE] status -> b; overrides any previous value</system>"),
+        ("user", "system", "<user>[STATE UPDATE] status -> b; overrides any previous value</user>"),
+        ("record", "system", "<system>S: b</system>"),
+        ("record", "user", "<user>S: b</user>"),  # the field's own line, in the field's role
+        ("correction", "system", "<system>Correction: status is now b.</system>"),
+        ("tagged", "system", "<system><update>status=b</update></system>"),
+    ],
+)
+def test_erratum_renderings(rendering: str, field_role: str, expected: str) -> None:
+    import dataclasses
+
+    target = FakeTarget()
+    target._segments[1] = dataclasses.replace(target._segments[1], role=field_role)
+    report = Erratum(rendering=rendering).apply(target, {"status": "b"})  # type: ignore[arg-type]
+    last = target.segments[-1]
+    assert report.strategy == "erratum" and (last.kind, last.name, last.value) == (SegmentKind.ERRATUM, "status", "b")
+    assert _rendered_erratum(target) == expected
+
+
+def test_erratum_default_is_the_system_state_update_and_templates_override_the_line() -> None:
+    target = FakeTarget()
+    Erratum().apply(target, {"status": "b"})  # type: ignore[arg-type]
+    assert _rendered_erratum(target) == "<system>[STATE UPDATE] status -> b; overrides any previous value</system>"
+    Erratum(template="U {name}={value}", rendering="user").apply(target, {"status": "c"})  # type: ignore[arg-type]
+    assert _rendered_erratum(target) == "<user>U status=c</user>"
+    Erratum(per_field={"status": "now {value}"}, rendering="tagged").apply(target, {"status": "d"})  # type: ignore[arg-type]
+    assert _rendered_erratum(target) == "<system>now d</system>"
+    with pytest.raises(KVAgentError, match="unknown erratum rendering 'shout': use one of system, user, record"):
+        Erratum(rendering="shout")
+
+
+# --- auto (issue 14): the choice table decides per model, format and situation ---------------------------
+def _m(recovery: float | None, accuracy: float, n_flips: int = 20) -> dict[str, object]:
+    return {"recovery": recovery, "accuracy": accuracy, "n_flips": n_flips, "n_cases": 36}
+
+
+@pytest.mark.parametrize(
+    ("measured", "expected"),
+    [
+        # field_only holds: it is the cheapest; the best rendering holds too
+        ({"field_only": _m(1.0, 0.9), "combined": _m(1.0, 0.9), "erratum:system": _m(0.5, 0.6),
+          "erratum:record": _m(0.97, 0.9)}, {"exact": "field_only", "inexact": "erratum", "rendering": "record"}),
+        # field_only misses, combined holds; no rendering holds: recompute where the splice cannot be exact
+        ({"field_only": _m(0.8, 0.9), "combined": _m(0.96, 0.89), "erratum:system": _m(0.5, 0.6),
+          "erratum:tagged": _m(0.7, 0.6)}, {"exact": "combined", "inexact": "recompute", "rendering": "tagged"}),
+        # recovery enough but accuracy more than 0.02 below the oracle's (0.9): does not hold
+        ({"field_only": _m(0.96, 0.85), "erratum:user": _m(1.0, 0.88)},
+         {"exact": "erratum", "inexact": "erratum", "rendering": "user"}),
+        # too few flips to count: nothing holds
+        ({"field_only": _m(1.0, 0.9, n_flips=3), "erratum:system": _m(1.0, 0.9, n_flips=3)},
+         {"exact": "recompute", "inexact": "recompute", "rendering": "system"}),
+    ],
+)
+def test_choose_auto(measured: dict[str, dict[str, object]], expected: dict[str, str]) -> None:
+    from kvagent.edits.calibrate import choose_auto
+
+    assert choose_auto(measured, oracle_accuracy=0.9) == expected  # type: ignore[arg-type]
+
+
+def _table(tmp_path, entry: dict[str, object]) -> str:  # type: ignore[no-untyped-def]
+    import json
+
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps({"models": {"tiny": {"fingerprint": "fake", "formats": {"plain": entry}}}}))
+    return str(path)
+
+
+ENTRY = {"exact": "field_only", "inexact": "erratum", "rendering": "correction",
+         "measured": {"field_only": _m(1.0, 0.9, 24), "erratum:correction": _m(0.96, 0.9, 24)}}
+
+
+@pytest.mark.parametrize(
+    ("entry", "refusal", "fmt", "ran", "why"),
+    [
+        (ENTRY, None, "plain", "field_only", "the splice can be exact; field_only held on the calibration for tiny (plain): "
+                                             "recovery 1.00 on 24 flips"),
+        (ENTRY, "the downstream KV was partly evicted", "plain", "erratum",
+         "the splice cannot be exact (status: the downstream KV was partly evicted); the erratum rendered as 'correction' held"),
+        ({**ENTRY, "inexact": "recompute"}, "past the sliding window", "plain", "recompute",
+         "no erratum rendering held on the calibration for tiny (plain"),
+        ({**ENTRY, "exact": "recompute"}, None, "plain", "recompute", "no cheaper strategy held"),
+        (ENTRY, None, "chat", "recompute", "no edit calibration for this model in the chat format"),
+    ],
+)
+def test_auto_chooses_from_the_table_and_says_why(tmp_path, entry, refusal, fmt, ran, why) -> None:  # type: ignore[no-untyped-def]
+    from kvagent.edits import Auto
+
+    target = FakeTarget()
+    target.refusal, target.prompt_format = refusal, fmt
+    report = Auto(table=_table(tmp_path, entry)).apply(target, {"status": "b"})  # type: ignore[arg-type]
+    assert (report.strategy, report.requested) == (ran, "auto")
+    assert report.reason is not None and report.reason.startswith("auto: ") and why in report.reason, report.reason
+    if ran == "erratum":
+        assert target.segments[-1].text == "Correction: status is now b."
+
+
+def test_auto_is_registered_and_the_shipped_table_loads() -> None:
+    from kvagent.edits import Auto
+    from kvagent.edits.auto import load_table, shipped_table_path
+
+    assert isinstance(get_strategy("auto"), Auto) and shipped_table_path().name == "auto.json"
+    table = load_table()
+    for name, model in table["models"].items():
+        assert model["fingerprint"] and model["formats"], name
+        for entry in model["formats"].values():
+            assert entry["exact"] in ("field_only", "selective", "combined", "erratum", "recompute")
+            assert entry["inexact"] in ("erratum", "recompute")

@@ -106,7 +106,7 @@ class SessionCreate(BaseModel):
     memory: list[str] = Field(default_factory=list)
     skills: list[str] = Field(default_factory=list)
     eviction: EvictionIn | None = None
-    edit_strategy: Literal["erratum", "recompute", "field_only", "selective"] = "erratum"
+    edit_strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] = "erratum"
 
 
 class FieldsSet(BaseModel):
@@ -115,7 +115,7 @@ class FieldsSet(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     values: dict[str, Any] = Field(min_length=1)
-    strategy: Literal["erratum", "recompute", "field_only", "selective"] | None = None
+    strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] | None = None
 
 
 class SkillInclude(BaseModel):

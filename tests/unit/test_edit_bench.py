@@ -1,0 +1,35 @@
+"""``kvagent bench edit``'s rows: split and format keys, what auto ran (pure logic, no model)."""
+
+from __future__ import annotations
+
+from kvagent.bench.edit import STRATEGIES, CaseResult, _strategy, summarise
+from kvagent.edits import Combined, Erratum
+from kvagent.edits.heldout import make_heldout_cases
+from kvagent.edits.suite import TEMPLATES, make_cases
+
+
+def result(before: str, oracle: str, auto: str, ran: str) -> CaseResult:
+    r = CaseResult(before, 2.0, oracle, 2.0, oracle, 1.0, truth=oracle)
+    for s in STRATEGIES:
+        r.decisions[s], r.seconds[s], r.ran[s] = oracle, 0.1, s
+    r.decisions["auto"], r.ran["auto"] = auto, ran
+    return r
+
+
+def test_rows_carry_split_format_and_what_auto_ran() -> None:
+    results = [result("a", "b", "b", "field_only"), result("a", "b", "a", "erratum"), result("b", "b", "b", "field_only")]
+    rows = summarise("m", "tool", results, STRATEGIES, split="test", format="chat")
+    assert [r["strategy"] for r in rows] == list(STRATEGIES)
+    auto = next(r for r in rows if r["strategy"] == "auto")
+    assert (auto["split"], auto["format"], auto["n_flips"], auto["recovery"]) == ("test", "chat", 2, 0.5)
+    assert auto["ran"] == {"field_only": 2, "erratum": 1}
+    assert summarise("m", "lookup", results, STRATEGIES)[0]["split"] == "calibration"
+
+
+def test_erratum_templates_apply_on_the_calibration_split_only() -> None:
+    calibration = make_cases(TEMPLATES["lookup"], 1)[0]
+    test = make_heldout_cases("tool", 1)[0]
+    erratum, combined = _strategy(calibration, "erratum"), _strategy(calibration, "combined")
+    assert isinstance(erratum, Erratum) and erratum.per_field == calibration.erratum_templates != {}
+    assert isinstance(combined, Combined) and combined.erratum.per_field == calibration.erratum_templates
+    assert _strategy(test, "erratum") == Erratum() and _strategy(test, "auto") == "auto"
