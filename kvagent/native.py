@@ -375,22 +375,27 @@ class _TensorHead(ctypes.Structure):
     ]
 
 
+def declare(lib: ctypes.CDLL, signatures: dict[str, tuple[object, list[object]]]) -> ctypes.CDLL:
+    """Set ``restype`` and ``argtypes`` of each function ``name: (restype, argtypes)`` of ``lib``; returns it."""
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
 _ggml: ctypes.CDLL | None = None
+_P, _SIZE = ctypes.c_void_p, ctypes.c_size_t
 
 
 def _load_ggml() -> ctypes.CDLL:
     global _ggml
     if _ggml is None:
-        lib = ctypes.CDLL(str(_ggml_base_path(wheel_dirs()[1])))
-        lib.ggml_get_name.restype = ctypes.c_char_p
-        lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-        lib.ggml_is_contiguous.restype = ctypes.c_bool
-        lib.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
-        lib.ggml_nbytes.restype = ctypes.c_size_t
-        lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_tensor_get.restype = None
-        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-        _ggml = lib
+        _ggml = declare(ctypes.CDLL(str(_ggml_base_path(wheel_dirs()[1]))), {
+            "ggml_get_name": (ctypes.c_char_p, [_P]),
+            "ggml_is_contiguous": (ctypes.c_bool, [_P]),
+            "ggml_nbytes": (_SIZE, [_P]),
+            "ggml_backend_tensor_get": (None, [_P, _P, _SIZE, _SIZE]),
+        })
     return _ggml
 
 

@@ -81,27 +81,20 @@ class GpuDevice:
 def _ggml_device_api() -> ctypes.CDLL:
     """The ggml device registry, looked up through libllama's handle: dlsym searches its dependencies, so this is
     the ``libggml`` instance llama.cpp itself uses (``llama_cpp._ggml`` would load a second copy of the file)."""
-    lib = C.llama_cpp._lib  # type: ignore[attr-defined]
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_count.argtypes = []
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
-    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_description.restype = ctypes.c_char_p
-    lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_memory.restype = None
-    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                            ctypes.POINTER(ctypes.c_size_t)]
-    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
-    lib.ggml_backend_reg_count.argtypes = []
-    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
-    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
-    return lib
+    from kvagent.native import declare
+
+    p, size = ctypes.c_void_p, ctypes.c_size_t
+    return declare(C.llama_cpp._lib, {  # type: ignore[attr-defined]
+        "ggml_backend_dev_count": (size, []),
+        "ggml_backend_dev_get": (p, [size]),
+        "ggml_backend_dev_type": (ctypes.c_int, [p]),
+        "ggml_backend_dev_name": (ctypes.c_char_p, [p]),
+        "ggml_backend_dev_description": (ctypes.c_char_p, [p]),
+        "ggml_backend_dev_memory": (None, [p, ctypes.POINTER(size), ctypes.POINTER(size)]),
+        "ggml_backend_reg_count": (size, []),
+        "ggml_backend_reg_get": (p, [size]),
+        "ggml_backend_reg_name": (ctypes.c_char_p, [p]),
+    })
 
 
 def compiled_backends() -> list[str]:

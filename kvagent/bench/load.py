@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -219,7 +220,8 @@ def document() -> str:
     return text[start: start + DOC_CHARS]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -237,27 +239,32 @@ def child_args(args: list[str]) -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT, *args] if sys.platform.startswith("linux") else args
 
 
-def _start(args: list[str], url: str, log: Path, ready_s: float = 180.0) -> subprocess.Popen[bytes]:
+def start_process(args: list[str], url: str, log: Path, ready_s: float = 180.0,
+                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a server (``child_args``, output to ``log``, ``env`` added to this environment) and wait until
+    ``url`` answers below 500; a child that exits or stays silent for ``ready_s`` raises with its log's tail."""
     import httpx
 
     out = open(log, "wb")  # noqa: SIM115 - the process writes to it until it stops
-    proc = subprocess.Popen(child_args(args), stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(child_args(args), stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + ready_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(args[:5])} exited with {proc.returncode}; see {log}")
+            raise RuntimeError(f"{' '.join(args[:5])} exited with {proc.returncode}; {log}:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(url, timeout=2, trust_env=False).status_code < 500:
                 return proc
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            proc.terminate()
-            raise RuntimeError(f"{' '.join(args[:5])} did not answer within {ready_s} s; see {log}")
+            stop_process(proc)
+            raise RuntimeError(f"{' '.join(args[:5])} did not answer {url} within {ready_s} s; {log}:\n"
+                               f"{log.read_text()[-3000:]}")
         time.sleep(0.3)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate ``proc`` and wait; kill it when it does not stop within 30 s."""
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -274,11 +281,11 @@ class ServeTarget:
     def __init__(self, log_dir: Path, n_ctx: int = 16384, n_seq_max: int = 40) -> None:
         import httpx
 
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "kvagent.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--model", MODEL, "--n-ctx", str(n_ctx), "--n-seq-max", str(n_seq_max), "--log-level", "warning"]
-        self.proc = _start(args, f"{self.base}/health", log_dir / "serve.log")
+        self.proc = start_process(args, f"{self.base}/health", log_dir / "serve.log")
         self.client = httpx.AsyncClient(base_url=self.base, timeout=600, trust_env=False,
                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self.doc = document()
@@ -301,7 +308,7 @@ class ServeTarget:
 
     async def stop(self) -> None:
         await self.client.aclose()
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 class _ServeAgent:
@@ -366,11 +373,11 @@ class RemoteTarget:
         from kvagent_server.remote import RemoteEngine
         from kvagent_server.tokens import GGUFCounter
 
-        self.port = _free_port()
+        self.port = free_port()
         base = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_model(MODEL).path), "--model_alias",
                 MODEL, "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(n_ctx), *LLAMA_SERVER_CACHE]
-        self.proc = _start(args, f"{base}/v1/models", log_dir / "llama_server.log")
+        self.proc = start_process(args, f"{base}/v1/models", log_dir / "llama_server.log")
         self.counter = GGUFCounter(MODEL)
         self.engine = RemoteEngine(f"{base}/v1", MODEL, n_ctx=n_ctx, tokenizer=self.counter)
         self.pool = ThreadPoolExecutor(max_workers=64)
@@ -407,7 +414,7 @@ class RemoteTarget:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
         self.counter.close()
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 class _RemoteAgent:

@@ -30,11 +30,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 import kvagent.policies.last_layer as last_layer
 from kvagent.policies.base import CacheView, EvictionPolicy
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +128,13 @@ class IncrementalSurprise(EvictionPolicy):
             qh = view.query_hidden if view.query_hidden is not None else last_layer.previous_rows(view.hidden, view.positions)
             qhid = np.ascontiguousarray(qh[rows], dtype=np.float32)
         self.stats = CycleStats(cells=int(rows.size))
-        self._sync(model, block, pos, tok, hid, qhid)
+        self._sync(block, pos, tok, hid, qhid)
         result[rows] = -self._scores(model, block)
         return result
 
-    def _sync(self, model: object, block: object, pos: np.ndarray, tok: np.ndarray, hid: np.ndarray, qhid: np.ndarray) -> None:
+    def _sync(self, block: object, pos: np.ndarray, tok: np.ndarray, hid: np.ndarray, qhid: np.ndarray) -> None:
         """Bring the state to the view's cells: subtract the keys (and drop the rows) of cells that went or
         changed, then fold in the new cells as keys and give them full rows."""
-        import torch
-
         same = np.zeros(pos.size, dtype=bool)  # view cells the state already holds unchanged
         if self.pos.size and self.hid.shape[1] == hid.shape[1]:
             idx = np.searchsorted(self.pos, pos).clip(max=self.pos.size - 1)
@@ -147,10 +149,10 @@ class IncrementalSurprise(EvictionPolicy):
             self._empty()
             keep_state = np.zeros(0, dtype=bool)
         if keep_state.size and not keep_state.all():
-            self._remove(model, block, ~keep_state)
+            self._remove(block, ~keep_state)
         new = ~same
         if new.any():
-            self._add(model, block, pos[new], tok[new], hid[new], qhid[new])
+            self._add(block, pos[new], tok[new], hid[new], qhid[new])
         # the state's cells are now exactly the view's (both ascending)
         if not np.array_equal(self.pos, pos):  # pragma: no cover - bookkeeping invariant
             raise RuntimeError("incremental surprise state does not match the view's cells")
@@ -175,7 +177,7 @@ class IncrementalSurprise(EvictionPolicy):
         group = a.n_head // a.n_kv_head
         return (q.double() @ k.double().repeat_interleave(group, 0).transpose(1, 2)) * a.attn_scale
 
-    def _remove(self, model: object, block: object, gone: np.ndarray) -> None:
+    def _remove(self, block: object, gone: np.ndarray) -> None:
         """Drop the cells ``gone`` (``[n]`` bool over the state): rows deleted, keys subtracted."""
         import torch
 
@@ -206,7 +208,7 @@ class IncrementalSurprise(EvictionPolicy):
             self._full_rows(block, np.flatnonzero(redo))
             self.stats.recomputed += int(redo.sum())
 
-    def _add(self, model: object, block: object, pos: np.ndarray, tok: np.ndarray, hid: np.ndarray, qhid: np.ndarray) -> None:
+    def _add(self, block: object, pos: np.ndarray, tok: np.ndarray, hid: np.ndarray, qhid: np.ndarray) -> None:
         """New cells: their keys folded into the existing rows' states, their own rows computed in full."""
         import torch
 
@@ -236,7 +238,10 @@ class IncrementalSurprise(EvictionPolicy):
         H, hd = a.n_head, a.head_dim
         order = np.argsort(np.concatenate([self.pos, pos]), kind="stable")
         o = torch.from_numpy(order)
-        cat = lambda old, new, dim: torch.cat([old, new], dim).index_select(dim, o)  # noqa: E731
+
+        def cat(old: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+            return torch.cat([old, new], dim).index_select(dim, o)
+
         self.pos = np.concatenate([self.pos, pos])[order]
         self.tok = np.concatenate([self.tok, tok])[order]
         self.hid = np.concatenate([self.hid.reshape(-1, d), hid])[order]

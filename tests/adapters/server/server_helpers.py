@@ -4,16 +4,14 @@ on 127.0.0.1 (``kvagent serve``, ``python -m llama_cpp.server``) stopped at the 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
 import sys
-import time
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
 
-from kvagent.bench.load import child_args  # the children stop when the tests die
+# servers started as the load benchmark starts them (they stop when the tests die); free_port re-exported
+from kvagent.bench.load import free_port, start_process, stop_process  # noqa: F401
 
 MODEL = "smollm2-135m"
 T = TypeVar("T")
@@ -41,43 +39,15 @@ async def served(engine: Any, **config: Any) -> AsyncIterator[tuple[Any, Any]]:
         await app.state.kv.sessions.close()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def process(args: list[str], url: str, *, env: dict[str, str] | None = None, ready_s: float = 120.0,
             log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Start a server process on loopback, wait until ``url`` answers, stop it afterwards."""
-    import httpx
-
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(child_args(args), stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
-        try:
-            deadline = time.monotonic() + ready_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{args[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(url, timeout=2).status_code < 500:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    tail = log.read_text()[-3000:]
-                    raise RuntimeError(f"{args[:4]} did not answer {url} within {ready_s} s:\n{tail}")
-                time.sleep(0.3)
-            yield proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+    proc = start_process(args, url, log, ready_s, env)
+    try:
+        yield proc
+    finally:
+        stop_process(proc)
 
 
 def rss_mib(pid: int) -> float:

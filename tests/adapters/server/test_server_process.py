@@ -30,6 +30,18 @@ def client(base: str) -> httpx.Client:
     return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120, trust_env=False)
 
 
+def wait_cancelled(client: httpx.Client, count: int, failure: str, timeout_s: float = 30) -> None:
+    """Poll /metrics until ``count`` generations were cancelled and none is running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = client.get("/metrics").text
+        if (metric(text, "kvagent_cancelled_generations_total") >= count
+                and metric(text, "kvagent_requests_running") == 0):
+            return
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.1)
+
+
 def test_openai_client_streams_with_usage_and_cached_tokens_grow(server: tuple[str, int]) -> None:
     import openai
 
@@ -80,28 +92,15 @@ def test_a_client_that_disconnects_mid_stream_rolls_its_turn_back(server: tuple[
                     if pieces == 3:
                         break  # leaving the block closes the connection
         assert pieces == 3
-        deadline = time.monotonic() + 30
-        while True:  # the server notices the disconnect, cancels, rolls back and releases the session
-            text = c.get("/metrics").text
-            cancelled = metric(text, "kvagent_cancelled_generations_total")
-            if cancelled >= 1 and metric(text, "kvagent_requests_running") == 0:
-                break
-            assert time.monotonic() < deadline, "the generation was not cancelled"
-            time.sleep(0.1)
+        # the server notices the disconnect, cancels, rolls back and releases the session
+        wait_cancelled(c, 1, "the generation was not cancelled")
         after = c.get("/v1/sessions/leaver").json()
         assert after["segments"] == before["segments"] and after["tokens"] == before["tokens"]
         assert after["messages"] == 0
         with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up is cancelled too
             c.post("/v1/chat/completions", json={**body, "stream": False}, headers={"X-KVAgent-Session": "leaver"},
                    timeout=0.5)
-        deadline = time.monotonic() + 30
-        while True:
-            text = c.get("/metrics").text
-            cancelled = metric(text, "kvagent_cancelled_generations_total")
-            if cancelled >= 2 and metric(text, "kvagent_requests_running") == 0:
-                break
-            assert time.monotonic() < deadline, "the non-streamed generation was not cancelled"
-            time.sleep(0.1)
+        wait_cancelled(c, 2, "the non-streamed generation was not cancelled")
         assert c.get("/v1/sessions/leaver").json()["segments"] == before["segments"]
         again = c.post("/v1/chat/completions", headers={"X-KVAgent-Session": "leaver"},
                        json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Count to 3."}]})
