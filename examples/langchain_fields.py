@@ -24,7 +24,9 @@ TURNS = [
 
 
 def main(max_tokens: int = 48) -> list[dict[str, Any]]:
-    model = ChatKVAgent(model="smollm2-135m", policy=POLICY, fields=[STATUS], max_tokens=max_tokens)
+    # erratum named (the default, auto, rewrites the field in place on SmolLM2: kvagent/edits/data/auto.json)
+    model = ChatKVAgent(model="smollm2-135m", policy=POLICY, fields=[STATUS], max_tokens=max_tokens,
+                        edit_strategy="erratum")
     history: list[BaseMessage] = []
     # the chain: a turn's question and status -> the state dict -> the chat model's reply
     chain = (RunnableLambda(lambda turn: {"messages": [*history, HumanMessage(turn["question"])],

@@ -99,8 +99,11 @@ def run_demo(engine: Engine, max_tokens: int = 40, on_turn: Callable[[DemoTurn],
     history: list[dict[str, str]] = []
     turns: list[DemoTurn] = []
     try:
+        # the erratum named, not the default ``auto``: the demo shows the prefix kept whole under eviction;
+        # ``auto`` would recompute from the field here (the history is evicted and no erratum rendering held
+        # on SmolLM2's calibration, BENCHMARKS.md "Edits")
         with engine.session(segments, fields=FIELDS, eviction=Eviction("window", budget=BUDGET, chunk=CHUNK),
-                            share_prefix=False) as session:
+                            share_prefix=False, edit_strategy="erratum") as session:
             for number, (question, changes) in enumerate(SCRIPT, start=1):
                 edit_computed, edit_s = 0, 0.0
                 if changes:  # kvagent: one erratum line; the baseline: the value rewritten in its system prompt

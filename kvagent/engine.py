@@ -177,7 +177,7 @@ class Engine:
         *,
         chat: bool = True,
         fields: Sequence[FieldSpec] = (),
-        edit_strategy: str | EditStrategy = "erratum",
+        edit_strategy: str | EditStrategy = "auto",
         compact_after: int | None = None,
         share_prefix: bool = True,
         fidelity: FidelityGuard | None = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from kvagent.chat_format import ChatFormat
 from kvagent.errors import SegmentOrderError
@@ -51,6 +51,9 @@ class Segment:
     Eviction (source paper B): ``pinned`` cells are never evicted (policy, fields and errata by default;
     any segment may be pinned); among the others, cells of a lower ``priority`` segment are evicted before
     any cell of a higher one, the policy's scores deciding within a priority (default 0 for all).
+    ``opens`` / ``closes``: whether the segment opens and closes its chat message. A segment that does not
+    close is continued by the next one, in the same message (``Segment.message``: a field inside a turn's
+    text); every segment opens and closes its own message by default.
     """
 
     kind: SegmentKind
@@ -64,6 +67,8 @@ class Segment:
     value: object = None  # a FIELD's or ERRATUM's value
     template: str | None = None  # how a FIELD/ERRATUM renders: str.format with {name} and {value}
     priority: int = 0  # eviction order between segments: lower goes first
+    opens: bool = True
+    closes: bool = True
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -107,6 +112,26 @@ class Segment:
         """The same FIELD (same id and template) holding another value."""
         template = self.template or DEFAULT_FIELD_TEMPLATE
         return replace(self, value=value, text=template.format(name=self.name, value=value), token_ids=None)
+
+    @classmethod
+    def message(cls, role: str, *parts: str | Segment) -> tuple[Segment, ...]:
+        """One chat message of ``role`` made of several segments, e.g. a tool result with a field inside it:
+        ``Segment.message("user", "The lookup returned ", spec.segment(), ". What next?")``. Strings become
+        turns (``user`` / ``assistant``) or memory (``system``); segments (fields, memory) keep their kind and id
+        and take the message's role. Each part is tokenized on its own (a part's text should start where a
+        word starts, as in the example), so a field inside the message is edited like any other field."""
+        if not parts:
+            raise SegmentOrderError("Segment.message needs at least one part")
+        out = []
+        for i, part in enumerate(parts):
+            if isinstance(part, str):
+                kind = SegmentKind.MEMORY if role == "system" else SegmentKind.TURN
+                part = cls(kind, part, role=role)
+            elif part.kind in (SegmentKind.POLICY, SegmentKind.SKILL) or not part.complete:
+                raise SegmentOrderError(f"segment {part.id!r}: a {part.kind.value} cannot be part of a message; "
+                                        "pass text, fields or memory")
+            out.append(replace(part, role=role, opens=i == 0, closes=i == len(parts) - 1))
+        return tuple(out)
 
     @classmethod
     def user(cls, text: str, *, id: str = "", pinned: bool = False, priority: int = 0) -> Segment:
@@ -180,11 +205,22 @@ def validate_order(segments: Sequence[Segment]) -> None:
     seen_ids: set[str] = set()
     fields: set[str] = set()
     seen_other = False
+    open_role: str | None = None  # the role of a message still open (its last part did not close it)
     for index, seg in enumerate(segments):
         where = f"segment {index} ({seg.kind.value} {seg.id!r})"
         if seg.id in seen_ids:
             raise SegmentOrderError(f"{where}: the id is used twice; give each segment its own id")
         seen_ids.add(seg.id)
+        if open_role is not None and (seg.opens or seg.role != open_role):
+            raise SegmentOrderError(f"{where}: the {open_role} message before it is not closed; build messages "
+                                    "with parts with Segment.message(role, *parts)")
+        if open_role is None and not seg.opens:
+            raise SegmentOrderError(f"{where}: it continues a message, but none is open; build messages with parts "
+                                    "with Segment.message(role, *parts)")
+        open_role = None if seg.closes else seg.role
+        if index == len(segments) - 1 and open_role is not None:
+            raise SegmentOrderError(f"{where}: the prompt ends inside a {open_role} message; end it with its last "
+                                    "part (Segment.message)")
         if seg.kind is SegmentKind.POLICY:
             if seen_other:
                 raise SegmentOrderError(f"{where}: policies must come before every other segment; move it to the front")
@@ -211,14 +247,14 @@ class Renderer:
     def __init__(self, tokenizer: Tokenizer, chat_format: ChatFormat, max_memo: int = 4096) -> None:
         self._tok = tokenizer
         self.chat_format = chat_format
-        self._memo: dict[tuple[str, str, bool], tuple[int, ...]] = {}
+        self._memo: dict[tuple[str, str, bool, bool, bool], tuple[int, ...]] = {}
         self._max_memo = max_memo
 
     def segment_tokens(self, seg: Segment) -> tuple[int, ...]:
         """Token ids of one segment: open tag, body, closing tag (none while unfinished)."""
         if seg.token_ids is not None:
             return self._wrap(seg, seg.token_ids)
-        key = (seg.role, seg.text, seg.complete)
+        key = (seg.role, seg.text, seg.complete, seg.opens, seg.closes)
         ids = self._memo.get(key)
         if ids is None:
             ids = self._wrap(seg, self._tok.tokenize(seg.text, special=False))
@@ -230,7 +266,8 @@ class Renderer:
     def _wrap(self, seg: Segment, body: Sequence[int]) -> tuple[int, ...]:
         fmt = self.chat_format
         opening = fmt.generation_prompt if (seg.role == "assistant") else fmt.wrap(seg.role).open
-        closing = fmt.wrap(seg.role).close if seg.complete else ""
+        closing = fmt.wrap(seg.role).close if seg.complete and seg.closes else ""
+        opening = opening if seg.opens else ""
         return (*self._special(opening), *body, *self._special(closing))
 
     def closing_length(self, role: str) -> int:
@@ -276,5 +313,25 @@ __all__ = [
     "Span",
     "Tokenizer",
     "common_prefix",
+    "segment_from_dict",
+    "segment_to_dict",
     "validate_order",
 ]
+
+
+def segment_to_dict(seg: Segment) -> dict[str, object]:
+    """A segment as JSON-ready data (saved sessions of the server and the LangChain adapter)."""
+    return {"kind": seg.kind.value, "text": seg.text, "role": seg.role, "name": seg.name, "id": seg.id,
+            "pinned": seg.pinned, "token_ids": list(seg.token_ids) if seg.token_ids is not None else None,
+            "complete": seg.complete, "value": seg.value, "template": seg.template, "priority": seg.priority,
+            "opens": seg.opens, "closes": seg.closes}
+
+
+def segment_from_dict(data: Mapping[str, Any]) -> Segment:
+    """The segment :func:`segment_to_dict` wrote (keys added later default as a segment's do)."""
+    ids = data.get("token_ids")
+    return Segment(SegmentKind(data["kind"]), str(data["text"]), role=data.get("role", "system"), name=data.get("name"),
+                   id=data["id"], pinned=data.get("pinned"), token_ids=tuple(int(t) for t in ids) if ids is not None else None,
+                   complete=bool(data.get("complete", True)), value=data.get("value"), template=data.get("template"),
+                   priority=int(data.get("priority", 0)), opens=bool(data.get("opens", True)),
+                   closes=bool(data.get("closes", True)))

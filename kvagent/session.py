@@ -48,7 +48,7 @@ class Session:
     def __init__(
         self, state: CachedSequence, scheduler: Scheduler, renderer: Renderer, segments: Sequence[Segment], *,
         skills: Callable[[], SkillLibrary], fingerprint: str, on_close: Callable[[Session], None],
-        fields: Sequence[FieldSpec] = (), edit_strategy: str | EditStrategy = "erratum",
+        fields: Sequence[FieldSpec] = (), edit_strategy: str | EditStrategy = "auto",
         compact_after: int | None = None, share_prefix: bool = True, fidelity: FidelityGuard | None = None,
     ) -> None:
         if compact_after is not None and compact_after < 1:
@@ -169,7 +169,7 @@ class Session:
 
     # -- edits (kvagent.edits) --------------------------------------------------------------------
     def set(self, name: str, value: object, *, strategy: str | EditStrategy | None = None) -> EditReport:
-        """Change one field's value through an edit strategy (default: the session's, ``erratum``)."""
+        """Change one field's value through an edit strategy (default: the session's, ``auto``)."""
         return self.set_many({name: value}, strategy=strategy)
 
     def set_many(self, changes: Mapping[str, object], *, strategy: str | EditStrategy | None = None) -> EditReport:

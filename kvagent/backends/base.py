@@ -48,6 +48,9 @@ class Capabilities:
     ``state_save``: ``seq_save`` / ``seq_restore`` of one sequence (skills, ``Session.save``).
     ``hidden_capture``: hidden states can be captured during decode (``backend.capture``).
     ``full_logits``: logits can be asked for every decoded position, not only the last.
+    ``swa_keeps_all``: a sliding-window model's cache keeps every cell of a sequence, also behind the window,
+    and ``seq_save`` saves them all, so a splice or a restore behind the window is exact (vacuous without
+    sliding-window layers). llama.cpp needs ``swa_full`` and kvagent's patch (``native/patches``) for it.
     """
 
     positional_kv: bool
@@ -55,6 +58,7 @@ class Capabilities:
     state_save: bool
     hidden_capture: bool
     full_logits: bool
+    swa_keeps_all: bool = True
 
 
 @runtime_checkable

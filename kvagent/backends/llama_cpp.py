@@ -145,6 +145,15 @@ def default_gpu_layers() -> int:
     return -1 if supports_gpu_offload() and gpu_devices() else 0
 
 
+def swa_patched() -> bool:
+    """Whether this llama-cpp-python was built by kvagent's set-up with its llama.cpp patches
+    (``native/patches/llama.cpp-swa-full.patch``; ``scripts/build_llama_wheel.sh`` labels the version
+    ``<version>+kvagent.<patch hash>``). Unpatched, llama.cpp reuses the cells of a sliding-window layer once
+    they fall behind the window even with ``swa_full`` (and saves none of them), so an edit behind the window
+    cannot be spliced exactly: kvagent then recomputes from the field (DESIGN.md, BENCHMARKS.md "Edits")."""
+    return "+kvagent." in C.__version__
+
+
 class LlamaCppBackend:
     """A loaded GGUF model with one multi-sequence context. See ``backends.base.Backend``."""
 
@@ -270,6 +279,7 @@ class LlamaCppBackend:
             state_save=True,
             hidden_capture=self.capture is not None,
             full_logits=True,
+            swa_keeps_all=self.n_swa == 0 or (self.config.swa_full and swa_patched()),
         )
 
     @property

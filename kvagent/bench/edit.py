@@ -24,7 +24,7 @@ from kvagent.bench.common import median, write_json
 from kvagent.edits import Combined, EditStrategy, Erratum
 from kvagent.edits.calibration import load_calibration
 from kvagent.edits.selective import DEFAULT_K
-from kvagent.edits.heldout import FORMATS, SPLITS, split_cases, split_templates
+from kvagent.edits.heldout import DOWNSTREAMS, FORMATS, SPLITS, split_cases, split_templates
 from kvagent.edits.suite import TEMPLATES, Case, Decider, answerable, long_notes, make_cases, question_segments
 from kvagent.engine import Engine
 from kvagent.segments import Segment
@@ -118,7 +118,7 @@ def run_case(
 
 
 def summarise(model: str, template: str, results: list[CaseResult], strategies: Iterable[str],
-              split: str = "calibration", format: str = "plain") -> list[dict[str, Any]]:
+              split: str = "calibration", format: str = "plain", downstream: str = "short") -> list[dict[str, Any]]:
     flips = [r for r in results if r.flipped]
     clear = [r for r in flips if r.clear]
     rows = []
@@ -133,7 +133,8 @@ def summarise(model: str, template: str, results: list[CaseResult], strategies: 
             name = r.ran.get(strategy, strategy)
             ran[name] = ran.get(name, 0) + 1
         rows.append({
-            "model": model, "split": split, "format": format, "template": template, "strategy": strategy,
+            "model": model, "split": split, "format": format, "downstream": downstream, "template": template,
+            "strategy": strategy,
             "ran": ran, "n_cases": len(results),
             "n_flips": len(flips), "flip_rate": len(flips) / len(results) if results else None,
             "recovery": recovered(flips), "n_clear_flips": len(clear), "recovery_clear": recovered(clear),
@@ -162,10 +163,10 @@ def latency_rows(engine: Engine, model: str, target_tokens: int, reps: int, stra
     case = Case("latency", segments, base.before, base.changes, base.question, base.erratum_templates)
     per: dict[str, list[float]] = {s: [] for s in strategies}
     reprefill: list[float] = []
-    if engine.backend.n_swa:
-        # Sliding-window models: llama.cpp keeps (and saves) only a window of SWA cells once a long
-        # sequence has been rebuilt, after which a splice falls back to a recompute. Each strategy
-        # gets a fresh session so it is timed on its own path (one repetition: each costs 3 prefills).
+    if engine.backend.n_swa and not engine.backend.capabilities.swa_keeps_all:
+        # Sliding-window models on an unpatched llama.cpp: it keeps (and saves) only a window of SWA cells
+        # once a long sequence has been rebuilt, after which a splice falls back to a recompute. Each
+        # strategy gets a fresh session so it is timed on its own path (one repetition: each costs 3 prefills).
         for s in strategies:
             with engine.session(share_prefix=False, chat=False) as session:
                 result = run_case(engine, session, case, decide, [s], restore=False)
@@ -180,7 +181,8 @@ def latency_rows(engine: Engine, model: str, target_tokens: int, reps: int, stra
                 for s in strategies:
                     per[s].append(result.seconds[s])
     return [
-        {"model": model, "split": "calibration", "format": "plain", "template": f"latency-{target_tokens}",
+        {"model": model, "split": "calibration", "format": "plain", "downstream": "long",
+         "template": f"latency-{target_tokens}",
          "strategy": s, "n_cases": reps, "n_flips": None,
          "recovery": None, "context_tokens": size, "edit_to_token_s": median(per[s]), "reprefill_s": median(reprefill),
          "speedup": median(reprefill) / median(per[s])}
@@ -192,33 +194,39 @@ def run(
     models: list[str], n_cases: int, latency_tokens: int, latency_reps: int, json_path: Path,
     command: str, progress: Callable[[str], None] = lambda _: None,
     splits: Iterable[str] = ("calibration",), formats: Iterable[str] = ("plain",),
+    downstreams: Iterable[str] = ("short",), long_cases: int = 8, test_cases: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Every strategy on ``n_cases`` cases per template of each split and format, then the latency rows
-    (``latency_tokens`` 0: none)."""
+    """Every strategy on ``n_cases`` cases per template of each split and format (and ``long_cases`` per
+    template with the held-out split's ~2,000-token ``long`` downstream, when ``downstreams`` names it; the
+    calibration split has short cases only; ``test_cases``, when given, replaces ``n_cases`` on the held-out
+    split's short cases), then the latency rows (``latency_tokens`` 0: none)."""
     rows: list[dict[str, Any]] = []
     selective_k: dict[str, Any] = {}
-    splits, formats = list(splits), list(formats)
-    for bad, known in ((set(splits) - set(SPLITS), SPLITS), (set(formats) - set(FORMATS), FORMATS)):
+    splits, formats, downstreams = list(splits), list(formats), list(downstreams)
+    for bad, known in ((set(splits) - set(SPLITS), SPLITS), (set(formats) - set(FORMATS), FORMATS),
+                       (set(downstreams) - set(DOWNSTREAMS), DOWNSTREAMS)):
         if bad:
             raise ValueError(f"unknown {', '.join(sorted(bad))}: use {', '.join(known)}")
     for model in models:
-        with Engine.load(model, n_ctx=4 * max(latency_tokens, 512) + 1024, n_seq_max=4) as engine:
+        with Engine.load(model, n_ctx=4 * max(latency_tokens, 2560) + 1024, n_seq_max=4) as engine:
             cal = load_calibration(engine.fingerprint)
             selective_k[model] = {"k": cal.k if cal else DEFAULT_K, "calibrated": cal is not None}
-            for split in splits:
+            for split, downstream in [(sp, d) for sp in splits for d in downstreams if sp == "test" or d == "short"]:
+                n = long_cases if downstream == "long" else (test_cases or n_cases) if split == "test" else n_cases
                 for fmt in formats:
                     for name, template in split_templates(split).items():
                         decide = Decider.build(engine, template.answers)
                         # answers whose first token collides with another's are left out: draw until n remain
-                        cases = [c for c in split_cases(split, name, 2 * n_cases, 0, fmt)
-                                 if answerable(c, template, decide)][:n_cases]
+                        cases = [c for c in split_cases(split, name, 2 * n, 0, fmt, downstream)
+                                 if answerable(c, template, decide)][:n]
                         results = []
                         with engine.session(share_prefix=False, chat=fmt == "chat") as session:
                             for i, case in enumerate(cases):
                                 truth = template.answer({**case.before, **case.changes})
                                 results.append(run_case(engine, session, case, decide, STRATEGIES, truth))
-                                progress(f"{model} {split} {fmt} {name} {i + 1}/{len(cases)}")
-                        rows += summarise(model, name, results, STRATEGIES, split, fmt)
+                                progress(f"{model} {split} {fmt} {downstream} {name} {i + 1}/{len(cases)}")
+                        rows += summarise(model, name, results, STRATEGIES, split, fmt, downstream)
+                        write_json(json_path, command, rows, near_tie_logits=NEAR_TIE, selective=selective_k)
             if latency_tokens:
                 progress(f"{model} latency at {latency_tokens} tokens")
                 rows += latency_rows(engine, model, latency_tokens, latency_reps, STRATEGIES)
@@ -233,7 +241,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = lambda r: (r["model"], r.get("split", "calibration"), r.get("format", "plain"), r["template"])  # noqa: E731
+    key = lambda r: (r["model"], r.get("split", "calibration"), r.get("format", "plain"), r.get("downstream", "short"), r["template"])  # noqa: E731
     groups = [key(r) for r in rows if r["recovery"] is not None and r["strategy"] == "erratum"]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
     width = 0.8 / len(STRATEGIES)

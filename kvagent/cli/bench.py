@@ -18,13 +18,17 @@ app = typer.Typer(help="Benchmarks: write JSON and a plot to bench/results/.", n
 @app.command("edit")
 def bench_edit(
     model: str = typer.Option(None, help="One model (default: every registry model)."),
-    quick: bool = typer.Option(False, help="6 cases per template, split and format, latency at 1k tokens (about 3 "
-                               "minutes per model, split and format)."),
+    quick: bool = typer.Option(False, help="6 cases per calibration template and format, 12 per held-out one (20+ "
+                               "held-out flips per model), 2 long ones, latency at 1k tokens."),
     cases: int = typer.Option(100, help="Cases per template, split, format and model (ignored with --quick)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/edit.json)."),
     split: str = typer.Option("both", "--split", help="Templates: calibration (the ones calibrations use), test (the "
                               "held-out ones, kvagent.edits.heldout) or both."),
     formats: str = typer.Option("plain,chat", "--formats", help="Prompt formats, comma-separated: plain, chat."),
+    downstream: str = typer.Option("short", "--downstream", help="Held-out downstream lengths, comma-separated: "
+                                   "short (four sentences after the record), long (about 2,000 tokens)."),
+    long_cases: int = typer.Option(8, help="Cases per held-out template and format with the long downstream."),
+    latency_tokens: int = typer.Option(2700, help="Context of the latency rows (0: none; 1,000 with --quick)."),
 ) -> None:
     """Every edit strategy against a full recompute: recovery on flips, edit-to-first-token vs re-prefill."""
     from rich.progress import Progress
@@ -40,21 +44,27 @@ def bench_edit(
         console.print(f"[red]error:[/] unknown formats {formats!r}: use plain, chat or both comma-separated")
         raise typer.Exit(2)
     json_path = json_path or (RESULTS_DIR / ("edit-quick.json" if quick else "edit.json"))
-    n_cases, latency_tokens, reps = (6, 1000, 1) if quick else (cases, 2000, 3)
+    downstreams = [d.strip() for d in downstream.split(",") if d.strip()]
+    if not downstreams or set(downstreams) - {"short", "long"}:
+        console.print(f"[red]error:[/] unknown downstream {downstream!r}: use short, long or both comma-separated")
+        raise typer.Exit(2)
+    n_cases, latency_tokens, reps = (6, min(latency_tokens, 1000), 1) if quick else (cases, latency_tokens, 3)
+    test_cases, long_cases = (12, min(long_cases, 2)) if quick else (None, long_cases)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("edit benchmark", total=None)
         rows = edit.run(
             model_names(model), n_cases, latency_tokens, reps, json_path, command_line(),
             progress=lambda msg: progress.update(task, description=msg), splits=splits, formats=fmts,
+            downstreams=downstreams, long_cases=long_cases, test_cases=test_cases,
         )
     plot_path = json_path.with_suffix(".png")
     edit.plot(rows, plot_path)
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     print_table(
         f"edit strategies vs full recompute ({json_path}, {plot_path})",
-        ("model", "split", "format", "template", "strategy", "cases", "flips", "recovery", "clear flips",
+        ("model", "split", "format", "downstream", "template", "strategy", "cases", "flips", "recovery", "clear flips",
          "recovery (clear)", "accuracy", "edit->token s", "re-prefill s", "speedup"),
-        [[r["model"], r.get("split", "-"), r.get("format", "-"), r["template"], r["strategy"], str(r["n_cases"]),
+        [[r["model"], r.get("split", "-"), r.get("format", "-"), r.get("downstream", "-"), r["template"], r["strategy"], str(r["n_cases"]),
           fmt(r["n_flips"], "d"),
           fmt(r["recovery"], ".2f"), fmt(r.get("n_clear_flips"), "d"), fmt(r.get("recovery_clear"), ".2f"),
           fmt(r.get("accuracy"), ".2f"), f"{r['edit_to_token_s']:.3f}", f"{r['reprefill_s']:.3f}",

@@ -38,7 +38,8 @@ def edits_calibrate(
                 rows = ", ".join(
                     f"{key}: {m['recovery'] if m['recovery'] is None else format(m['recovery'], '.2f')}"
                     f"/{m['accuracy']:.2f}" for key, m in entry["measured"].items())
-                console.print(f"{name} ({fmt}): exact -> {entry['exact']}, inexact -> {entry['inexact']} "
+                borrowed = f" (borrowed from {entry['borrowed_from']})" if entry.get("borrowed_from") else ""
+                console.print(f"{name} ({fmt}): exact -> {entry['exact']}{borrowed}, inexact -> {entry['inexact']} "
                               f"(rendering {entry['rendering']}); recovery/accuracy on "
                               f"{entry['measured']['recompute']['n_flips']} flips: {rows}")
             console.print(f"written to {result['path']}")

@@ -9,7 +9,9 @@ A choice table (``kvagent/edits/data/auto.json``, shipped with the package, writ
 - ``exact``: the strategy for the situation where every changed field can be spliced exactly
   (``session.splice_refusal`` is None): the first of ``field_only``, ``selective``, ``combined``, the best
   erratum rendering that *holds* (recovers at least ``hold.recovery`` of the recompute's decision flips and
-  is within ``hold.accuracy_gap`` of its accuracy), else ``recompute``;
+  is within ``hold.accuracy_gap`` of its accuracy), else ``recompute``; a format with too few flips to
+  measure takes a splice that held in another format of the model (``borrowed_from``,
+  :func:`kvagent.edits.calibrate.borrow_exact`);
 - ``inexact``: where a splice cannot be exact (after eviction, past a sliding window): ``erratum`` with the
   table's ``rendering`` when that rendering holds, else ``recompute``.
 
@@ -86,8 +88,8 @@ def _measured(entry: Mapping[str, Any], key: str) -> str:
 @dataclass
 class Auto(EditStrategy):
     """Choose per model, format and situation from the choice table (``table``: a path; default the shipped
-    one), then run the choice. Not the session default: pass ``strategy="auto"`` or
-    ``edit_strategy="auto"``."""
+    one), then run the choice. The session default (``engine.session(edit_strategy=...)`` names another):
+    checked on the held-out split, ``kvagent bench edit --split test`` (BENCHMARKS.md, "Edits")."""
 
     table: str | os.PathLike[str] | None = None
     name: str = "auto"
@@ -108,6 +110,11 @@ class Auto(EditStrategy):
             if choice == "recompute":
                 return Recompute(), (f"auto: the splice can be exact, but no cheaper strategy held on the calibration "
                                      f"for {model} ({fmt}): recompute")
+            if entry.get("borrowed_from"):
+                donor = entry["borrowed_from"]
+                return build(choice, entry), (f"auto: the splice can be exact; {what} held on the calibration for "
+                                              f"{model} ({donor}; the {fmt} format gave too few flips to measure, "
+                                              "and a splice does not depend on the wording)")
             return build(choice, entry), (f"auto: the splice can be exact; {what} held on the calibration for "
                                           f"{model} ({fmt}): {_measured(entry, key)}")
         situation = "; ".join(f"{name}: {why}" for name, why in refused.items())

@@ -114,6 +114,31 @@ def choose_auto(measured: dict[str, dict[str, Any]], oracle_accuracy: float) -> 
     return {"exact": exact, "inexact": "erratum" if erratum_holds else "recompute", "rendering": best}
 
 
+SPLICES = ("field_only", "selective")  # exact-situation choices that depend on the KV mechanics, not the wording
+
+
+def borrow_exact(formats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Fill in the exact-situation choice of a format whose calibration gave fewer than ``MIN_FLIPS`` flips (so
+    nothing could be measured to hold there: Gemma-3's chat format never flips on the calibration templates)
+    from another format of the same model where a splice (``field_only`` / ``selective``) held on enough
+    flips: a splice rewrites the field's KV the same way whatever the prompt's wording. The entry says
+    ``borrowed_from``; erratum choices are never borrowed (an erratum's effect is the wording's). The held-out
+    split checks the borrowed choice like any other (``kvagent bench edit --split test``)."""
+    out = {fmt: dict(entry) for fmt, entry in formats.items()}
+    for fmt, entry in out.items():
+        flips = max((m.get("n_flips", 0) for m in entry.get("measured", {}).values()), default=0)
+        if flips >= MIN_FLIPS or entry.get("exact") != "recompute":
+            continue
+        donors = [(other, e) for other, e in formats.items() if other != fmt and e.get("exact") in SPLICES
+                  and not e.get("borrowed_from")]
+        if donors:
+            other, donor = donors[0]
+            entry.update(exact=donor["exact"], borrowed_from=other)
+            if donor["exact"] == "selective":
+                entry["selective"] = donor.get("selective")
+    return out
+
+
 def calibrate_auto(
     model: str, n_cases: int = 12, formats: tuple[str, ...] = ("plain", "chat"), seed: int = 7,
     out: str | None = None, progress: Callable[[str], None] = lambda _: None,
@@ -125,7 +150,8 @@ def calibrate_auto(
 
     Candidates: ``field_only``, ``selective`` (only where ``kvagent edits calibrate`` has ranked this
     model's positions: measured with that K and ranking, which the table then keeps), ``combined``, and the
-    erratum in each rendering. Per candidate: recovery of the recompute's flips, accuracy (the right answer
+    erratum in each rendering, placed before the question (where ``set`` appends it) and, measured only,
+    after it (``erratum:<rendering>@after``). Per candidate: recovery of the recompute's flips, accuracy (the right answer
     after the edit), median edit-to-decision seconds."""
     import json
     import os
@@ -146,6 +172,9 @@ def calibrate_auto(
             candidates["selective"] = Selective(k=selective.k, offsets=selective.offsets)
         candidates["combined"] = "combined"
         candidates.update({f"erratum:{r}": Erratum(rendering=r) for r in RENDERINGS})
+        # the same lines after the question (between it and the reply): measured to know whether deferring
+        # errata to the next question would pay; not a choice (an erratum is appended when set() runs)
+        candidates.update({f"erratum:{r}@after": (r, "after") for r in RENDERINGS})
         formats_out: dict[str, Any] = {}
         for fmt in formats:
             decisions: dict[str, list[tuple[bool, bool, bool]]] = {k: [] for k in ["recompute", *candidates]}
@@ -165,8 +194,13 @@ def calibrate_auto(
                         def run(strategy: Any) -> tuple[str, float]:
                             session.restore(blob, segments)
                             start = time.perf_counter()
-                            session.set_many(case.changes, strategy=strategy)
-                            session.extend(*question_segments(case.question))
+                            if isinstance(strategy, tuple):  # (rendering, "after"): the erratum after the question
+                                question, reply = question_segments(case.question)
+                                lines = [Erratum(rendering=strategy[0]).line(session, n, v) for n, v in case.changes.items()]
+                                session.extend(question, *lines, reply)
+                            else:
+                                session.set_many(case.changes, strategy=strategy)
+                                session.extend(*question_segments(case.question))
                             decision = decide(session.logits())[0]
                             return decision, time.perf_counter() - start
 
@@ -199,7 +233,9 @@ def calibrate_auto(
         models = table.setdefault("models", {})
         previous = models.get(model, {})
         kept = previous.get("formats", {}) if previous.get("fingerprint") == engine.fingerprint else {}
-        models[model] = {"fingerprint": engine.fingerprint, "formats": {**kept, **formats_out}}
+        final = borrow_exact({**kept, **formats_out})
+        formats_out = {fmt: final[fmt] for fmt in formats_out}
+        models[model] = {"fingerprint": engine.fingerprint, "formats": final}
         table["hold"] = {"recovery": HOLD_RECOVERY, "accuracy_gap": HOLD_ACCURACY_GAP, "min_flips": MIN_FLIPS}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

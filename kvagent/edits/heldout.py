@@ -220,11 +220,15 @@ def split_templates(split: str) -> Mapping[str, Template]:
     raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
 
 
-def split_cases(split: str, template: str, n: int, seed: int = 0, format: str = "plain") -> list[Case]:
-    """Short-downstream cases of one template of either split, in ``format``. The calibration split's cases
-    are the suite's (its plain few-shot text, opened with ``chat=True`` in the chat format)."""
+def split_cases(split: str, template: str, n: int, seed: int = 0, format: str = "plain",
+                downstream: str = "short") -> list[Case]:
+    """Cases of one template of either split, in ``format``; ``long`` downstream on the test split only. The
+    calibration split's cases are the suite's (its plain few-shot text, opened with ``chat=True`` in the chat
+    format)."""
     if split == "test":
-        return make_heldout_cases(template, n, seed, format)
+        return make_heldout_cases(template, n, seed, format, downstream)
+    if downstream != "short":
+        raise ValueError("the calibration split has short-downstream cases only")
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}: use one of {', '.join(FORMATS)}")
     return [dataclasses.replace(c, format=format) for c in make_cases(split_templates(split)[template], n, seed)]

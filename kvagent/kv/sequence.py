@@ -3,8 +3,9 @@
 Invariant (checked by the integration tests against the backend): the sequence holds a cell for every
 position ``0..len(tokens)-1`` except ``evicted``, each computed from ``tokens``; ``logits`` are the
 next-token logits after the last position, or None when unknown. ``stale`` positions hold KV computed
-before an upstream edit (field-only / selective splices). ``floor``: on sliding-window models a restored
-or transplanted cache lacks the SWA cells outside the window, so the cache may not be cut below ``floor``
+before an upstream edit (field-only / selective splices). ``floor``: on sliding-window models whose backend
+drops cells behind the window (``Capabilities.swa_keeps_all`` false: llama.cpp without kvagent's patch) a
+restored or transplanted cache lacks the SWA cells outside the window, so the cache may not be cut below ``floor``
 and extended again (a cut below it recomputes from 0). Every change of those fields goes through this
 class, which also keeps the pool's prefix index and shared-cell record in step.
 """
@@ -168,6 +169,6 @@ class CachedSequence:
         self.evicted, self.stale = frozenset(evicted), frozenset()
         if self.evictor is not None:
             self.evictor.forget_from(0)  # restored cells come without captured hidden states
-        n_swa = self.backend.n_swa
-        self.floor = len(tokens) if n_swa and len(tokens) > n_swa else 0
+        n_swa, keeps_all = self.backend.n_swa, self.backend.capabilities.swa_keeps_all
+        self.floor = len(tokens) if n_swa and not keeps_all and len(tokens) > n_swa else 0
         self.publish()

@@ -19,6 +19,7 @@ POLICY = Segment.policy("Answer each question from the record above it.")
 
 
 def open_session(engine: Engine, **kwargs: object) -> Session:
+    kwargs.setdefault("edit_strategy", "erratum")  # the erratum's own tests; auto (the default) has its own
     s = engine.session([POLICY, STATUS.segment(), NOTES], chat=False, fields=[STATUS], share_prefix=False, **kwargs)  # type: ignore[arg-type]
     s.prefill()
     return s
@@ -46,7 +47,7 @@ def test_erratum_appends_and_keeps_the_prefix_byte_identical(engine: Engine) -> 
     with open_session(engine) as s:
         n = len(s.tokens)
         before = prefix_bytes(engine, s, n)
-        report = s.set("order_status", "shipped")
+        report = s.set("order_status", "shipped", strategy="erratum")
         assert (report.strategy, report.reused) == ("erratum", n) and report.computed == len(s.tokens) - n > 0
         assert prefix_bytes(engine, s, n) == before
         assert s.segments[-1].kind.value == "erratum" and s.field_values["order_status"] == "shipped"
@@ -94,7 +95,7 @@ def test_field_only_keeps_downstream_stale_and_never_shares_it(engine: Engine, v
 def test_later_updates_supersede_earlier_ones(engine: Engine) -> None:
     with open_session(engine) as s:
         for value in ("shipped", "processing", "delivered"):
-            s.set("order_status", value)
+            s.set("order_status", value, strategy="erratum")
             assert s.field_values["order_status"] == value
         assert [seg.value for seg in s.segments if seg.kind.value == "erratum"] == ["shipped", "processing", "delivered"]
 
@@ -114,7 +115,7 @@ def test_compaction_rebuilds_the_recompute_state(engine: Engine) -> None:
             s.extend(*question_segments(case.question))
             oracle_tokens, oracle = s.tokens, s.logits()
             s.replace(list(case.segments))
-            s.set_many(case.changes)  # one erratum per field
+            s.set_many(case.changes, strategy="erratum")  # one erratum per field
             report = s.compact()
             assert all(seg.kind.value != "erratum" for seg in s.segments) and report.computed > 0
             assert s.field_values == {**case.before, **case.changes}
@@ -194,7 +195,7 @@ def test_a_splice_that_cannot_be_exact_reports_the_recompute_and_warns_once(
         assert (report.strategy, report.requested, report.reason) == ("field_only", "field_only", None)
     long_notes = _long_notes(engine, 700)
     cases = [("evicted", {"eviction": Eviction("window", budget=400, chunk=64)})]
-    if engine.backend.n_swa:
+    if engine.backend.n_swa and not engine.backend.capabilities.swa_keeps_all:  # an unpatched llama.cpp
         cases.append(("sliding window", {}))
     for why, kwargs in cases:
         caplog.clear()
@@ -209,21 +210,73 @@ def test_a_splice_that_cannot_be_exact_reports_the_recompute_and_warns_once(
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
 
 
+# --- splices behind Gemma-3's sliding window (issue 14, item 4; native/patches/llama.cpp-swa-full.patch) ----
+def test_the_build_keeps_every_sliding_window_cell(engine: Engine) -> None:
+    """kvagent's set-up builds llama.cpp with its patch: a full-size sliding-window cache keeps every cell, so
+    splices behind the window are exact. An unpatched llama-cpp-python fails here (and edits behind the
+    window then recompute, as their reports say)."""
+    from kvagent.backends.llama_cpp import swa_patched
+
+    assert swa_patched(), "llama-cpp-python was not built by `make setup` (scripts/build_llama_wheel.sh)"
+    assert engine.backend.capabilities.swa_keeps_all
+
+
+@pytest.mark.parametrize("value", ["shipped", "cancelled"])  # same and different token length
+def test_a_splice_behind_the_sliding_window_is_exact_after_the_session_grew(engine: Engine, value: str) -> None:
+    """More than the sliding window (Gemma-3: 512) downstream of the field: a field-only edit, then a turn
+    appended (unpatched, llama.cpp reuses the cells behind the window here and drops every earlier position
+    of the sequence's SWA cache), then a splice refreshing every downstream position: it runs as a splice
+    (no recompute), the sequence still holds position 0, and the logits equal a cold run (>= 0.999)."""
+    probe = question_segments("Question: What is the order status?\nAnswer:")
+    with engine.session([POLICY, STATUS.segment(), _long_notes(engine, 900)], chat=False, fields=[STATUS],
+                        share_prefix=False) as s:
+        s.prefill()
+        first = s.set("order_status", "delivered", strategy="field_only")
+        s.extend(Segment.memory("Note: the customer called twice about the parcel."))
+        second = s.set("order_status", value, strategy=Selective(k=10**6))
+        assert (first.strategy, second.strategy, second.reason) == ("field_only", "selective", None)
+        assert engine.backend.seq_pos_range(s.seq)[0] == 0
+        s.extend(*probe)
+        got, segments = s.logits(), list(s.segments)
+    assert cosine(got, cold(engine, segments)) >= 0.999
+
+
+def test_a_save_behind_the_sliding_window_restores_and_splices_exactly(engine: Engine) -> None:
+    """A saved long session keeps its sliding-window cells behind the window: after a restore a full-refresh
+    splice runs as a splice and equals a cold run (unpatched, the save keeps only the window and the edit
+    recomputes from 0)."""
+    with engine.session([POLICY, STATUS.segment(), _long_notes(engine, 900)], chat=False, fields=[STATUS],
+                        share_prefix=False) as s:
+        s.prefill()
+        segments, blob = list(s.segments), s.save()
+        s.set("order_status", "cancelled", strategy="recompute")
+        s.restore(blob, segments)
+        report = s.set("order_status", "shipped", strategy=Selective(k=10**6))
+        assert (report.strategy, report.reason) == ("selective", None)
+        s.extend(*question_segments("Question: What is the order status?\nAnswer:"))
+        got, final = s.logits(), list(s.segments)
+    assert cosine(got, cold(engine, final)) >= 0.999
+
+
 # --- fields anywhere (issue 14): after few-shot turns, as a tool result; every strategy -----------------------
 SHOTS = [Segment.user("Record: The order status is processing. What should I tell the customer?"),
          Segment.assistant("That the order is being prepared.")]
 
 
 def late_field_session(engine: Engine, role: str) -> Session:
-    """Policy, two few-shot turns, then the field (a later system message, or a tool result in a user turn),
-    then notes: the field stands after turns."""
-    segs = [POLICY, *SHOTS, STATUS.segment(role=role), NOTES]
+    """Policy, two few-shot turns, then the field (a later system message, a tool result in a user turn, or
+    inside a user turn's text: ``inline``), then notes: the field stands after turns."""
+    if role == "inline":
+        field = Segment.message("user", "The tracking lookup says:", STATUS.segment(), " What should I tell them?")
+    else:
+        field = (STATUS.segment(role=role),)
+    segs = [POLICY, *SHOTS, *field, NOTES]
     s = engine.session(segs, chat=True, fields=[STATUS], share_prefix=False)
     s.prefill()
     return s
 
 
-@pytest.mark.parametrize("role", ["system", "user"])
+@pytest.mark.parametrize("role", ["system", "user", "inline"])
 @pytest.mark.parametrize("strategy", ["erratum", "recompute", "field_only", "selective", "all"])
 def test_a_field_after_turns_is_edited_by_every_strategy(engine: Engine, strategy: str, role: str) -> None:
     """The prompt after the edit is the one the strategy says it holds: recompute and a splice refreshing

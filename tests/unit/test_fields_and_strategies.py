@@ -216,6 +216,9 @@ def _m(recovery: float | None, accuracy: float, n_flips: int = 20) -> dict[str, 
         # recovery enough but accuracy more than 0.02 below the oracle's (0.9): does not hold
         ({"field_only": _m(0.96, 0.85), "erratum:user": _m(1.0, 0.88)},
          {"exact": "erratum", "inexact": "erratum", "rendering": "user"}),
+        # an after-question placement is measured only, never chosen (set() appends before the question)
+        ({"field_only": _m(0.8, 0.9), "erratum:system": _m(0.5, 0.6), "erratum:system@after": _m(1.0, 0.9)},
+         {"exact": "recompute", "inexact": "recompute", "rendering": "system"}),
         # too few flips to count: nothing holds
         ({"field_only": _m(1.0, 0.9, n_flips=3), "erratum:system": _m(1.0, 0.9, n_flips=3)},
          {"exact": "recompute", "inexact": "recompute", "rendering": "system"}),
@@ -225,6 +228,52 @@ def test_choose_auto(measured: dict[str, dict[str, object]], expected: dict[str,
     from kvagent.edits.calibrate import choose_auto
 
     assert choose_auto(measured, oracle_accuracy=0.9) == expected  # type: ignore[arg-type]
+
+
+def _entry(exact: str, n_flips: int, **extra: object) -> dict[str, object]:
+    return {"exact": exact, "inexact": "recompute", "measured": {"field_only": _m(None if n_flips == 0 else 1.0, 0.5, n_flips)},
+            **extra}
+
+
+@pytest.mark.parametrize(
+    ("formats", "expected"),
+    [
+        # chat gave no flips: it takes plain's splice, and says where from
+        ({"plain": _entry("field_only", 30), "chat": _entry("recompute", 0)},
+         {"plain": ("field_only", None), "chat": ("field_only", "plain")}),
+        # selective is borrowed with its K and offsets
+        ({"plain": _entry("selective", 30, selective={"k": 6, "offsets": [1]}), "chat": _entry("recompute", 2)},
+         {"plain": ("selective", None), "chat": ("selective", "plain")}),
+        # enough flips and recompute chosen: measured, so kept
+        ({"plain": _entry("field_only", 30), "chat": _entry("recompute", 12)},
+         {"plain": ("field_only", None), "chat": ("recompute", None)}),
+        # the donor's choice is an erratum: never borrowed (its effect is the wording's)
+        ({"plain": _entry("erratum", 30), "chat": _entry("recompute", 0)},
+         {"plain": ("erratum", None), "chat": ("recompute", None)}),
+        # nothing measured anywhere
+        ({"plain": _entry("recompute", 1), "chat": _entry("recompute", 0)},
+         {"plain": ("recompute", None), "chat": ("recompute", None)}),
+    ],
+)
+def test_a_format_without_flips_borrows_a_splice(formats: dict[str, dict[str, object]],
+                                                 expected: dict[str, tuple[str, str | None]]) -> None:
+    from kvagent.edits.calibrate import borrow_exact
+
+    out = borrow_exact(formats)
+    assert {f: (e["exact"], e.get("borrowed_from")) for f, e in out.items()} == expected
+    if out["chat"].get("borrowed_from") and out["chat"]["exact"] == "selective":
+        assert out["chat"]["selective"] == {"k": 6, "offsets": [1]}
+    assert formats["chat"]["exact"] == _entry("recompute", 0)["exact"]  # the input is left as it was
+
+
+def test_a_borrowed_choice_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvagent.edits import Auto
+
+    target = FakeTarget()
+    target.refusal, target.prompt_format = None, "plain"
+    report = Auto(table=_table(tmp_path, _entry("field_only", 0, borrowed_from="chat"))).apply(target, {"status": "b"})  # type: ignore[arg-type]
+    assert report.strategy == "field_only" and report.reason is not None
+    assert "held on the calibration for tiny (chat; the plain format gave too few flips" in report.reason
 
 
 def _table(tmp_path, entry: dict[str, object]) -> str:  # type: ignore[no-untyped-def]

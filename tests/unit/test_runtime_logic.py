@@ -549,7 +549,7 @@ def other_thread_call_during_a_stream(engine: Engine, verb: str) -> tuple[Sessio
     seen: dict[str, Any] = {}
 
     def other() -> None:
-        seen["report"] = s.extend(Segment.user("next question")) if verb == "extend" else s.set("city", "Rome")
+        seen["report"] = s.extend(Segment.user("next question")) if verb == "extend" else s.set("city", "Rome", strategy="erratum")
         seen["segments"] = s.segments
 
     thread = threading.Thread(target=other)

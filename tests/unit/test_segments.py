@@ -40,7 +40,41 @@ ORDER_CASES = [
     ([P, Segment.erratum("status", "closed", id="e")], "not declared before it"),
     ([P, P], "id is used twice"),
     ([P, Segment(SegmentKind.TURN, "", role="assistant", complete=False, id="x"), U], "must be the last"),
+    # a field inside a message's text (issue 14): Segment.message builds the parts
+    ([P, *Segment.message("user", "lookup: ", F, " ok"), A], None),
+    ([P, *Segment.message("user", F), A], None),
+    ([P, *Segment.message("user", "lookup: ", F)], None),
+    ([P, *Segment.message("user", "lookup: ", F, " ok")[:2]], "ends inside a user message"),
+    ([P, Segment.message("user", "lookup: ", F)[0], U], "is not closed"),
+    ([P, Segment.message("user", "a", "b")[1]], "none is open"),
+    ([P, *Segment.message("user", "a", F)[:1], Segment.message("system", "a", F)[1]], "is not closed"),
 ]
+
+
+def test_a_message_made_of_parts_renders_as_one_message() -> None:
+    """Open tag, each part's tokens, one closing tag; the field's span holds exactly its own text, and the
+    parts take the message's role."""
+    parts = Segment.message("user", "lookup: ", F, " ok")
+    rendered = Renderer(CharTokenizer(), FMT).render([P, *parts])
+    first = rendered.span_of(parts[0].id).first
+    text = "".join(chr(-t) if t < 0 else chr(t) for t in rendered.tokens[first:])
+    assert text == "<user>lookup: status: open ok</user>"
+    span = rendered.span_of("f")
+    assert "".join(chr(t) for t in rendered.tokens[span.first : span.last + 1]) == "status: open"
+    assert [p.role for p in parts] == ["user"] * 3 and parts[1].kind is SegmentKind.FIELD and parts[1].id == "f"
+    with pytest.raises(SegmentOrderError, match="cannot be part of a message"):
+        Segment.message("user", P)
+
+
+@pytest.mark.parametrize("seg", [P, F, *Segment.message("user", "lookup: ", F, " ok"),
+                                 Segment.erratum("status", "closed", id="e"), Segment.memory("m", priority=-2, pinned=True),
+                                 Segment.assistant("x", token_ids=[1, 2])])
+def test_segments_round_trip_through_dicts(seg: Segment) -> None:
+    import json
+
+    from kvagent.segments import segment_from_dict, segment_to_dict
+
+    assert segment_from_dict(json.loads(json.dumps(segment_to_dict(seg)))) == seg
 
 
 @pytest.mark.parametrize(("segments", "error"), ORDER_CASES)

@@ -204,9 +204,10 @@ class ChatKVAgent(BaseChatModel):
     compile_skills: bool = False
     """Compile a skill that is not compiled for the model on first use (one prefill, stored for every later
     process). False: such a skill is refused with :class:`SkillNotCompiledError` naming the command."""
-    edit_strategy: str = "erratum"
-    """How a field change reaches the KV: ``erratum`` (append a state-update line), ``recompute``,
-    ``field_only`` or ``selective`` (see ``kvagent.edits``)."""
+    edit_strategy: str = "auto"
+    """How a field change reaches the KV: ``auto`` (default: per model, prompt format and situation, the
+    cheapest strategy measured to hold; see ``kvagent.edits.auto``), ``erratum`` (append a state-update
+    line), ``recompute``, ``field_only``, ``selective`` or ``combined`` (see ``kvagent.edits``)."""
     eviction: InstanceOf[Eviction] | None = None
     """Eviction for new sessions (``kvagent.Eviction``): prune to a budget instead of refusing a long prompt.
     ``Eviction("window", budget=..., chunk=...)`` needs nothing more; policies that read hidden states
@@ -543,7 +544,7 @@ class ChatKVAgent(BaseChatModel):
         return found.field_values()
 
     def set_fields(self, changes: Mapping[str, object], *, session_id: str | None = None) -> EditReport | None:
-        """Change declared fields of a session: one ``set_many`` (``edit_strategy``, erratum by default) once it
+        """Change declared fields of a session: one ``set_many`` (``edit_strategy``, auto by default) once it
         holds a conversation; before that the values simply render into its first prompt (returns None)."""
         checked = self._checked(changes)
         with self._locked(DEFAULT_SESSION if session_id is None else str(session_id)) as entry:

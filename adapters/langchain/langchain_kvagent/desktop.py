@@ -27,7 +27,7 @@ from langchain_kvagent.errors import UnknownSessionError
 
 SESSION = "desktop"
 HELP = """[b]commands[/b]
-  /set FIELD VALUE       change a declared field (an erratum line once the conversation started)
+  /set FIELD VALUE       change a declared field (in the KV, by the model's edit strategy: auto by default)
   /skill NAME            include a skill from the skills folder (transplanted when compiled)
   /evict POLICY BUDGET   prune to BUDGET cells with POLICY (window, random; others need capture)
   /save PATH, /load PATH save or restore the conversation with its KV cache
@@ -139,8 +139,11 @@ class DesktopAgent(App[None]):
             if len(args) < 2:
                 raise ValueError("usage: /set FIELD VALUE")
             report = await self.model.aset_fields({args[0]: " ".join(args[1:])}, session_id=self.session_id)
-            how = (f"{report.strategy}: computed {report.computed} tokens, prefix kept" if report is not None
-                   else "rendered into the first prompt")
+            if report is None:
+                how = "rendered into the first prompt"
+            else:
+                chosen = f" (chosen by {report.requested})" if report.requested not in (None, report.strategy) else ""
+                how = f"{report.strategy}{chosen}: computed {report.computed} tokens, reused {report.reused}"
             self.say(f"[cyan]{escape(args[0])} = {escape(' '.join(args[1:]))}[/][dim] ({how})[/]")
         elif name == "/skill":
             if len(args) != 1:

@@ -15,23 +15,10 @@ from typing import Any, Sequence
 
 from kvagent.errors import KVBlobError
 from kvagent.messages import ChatMessage
-from kvagent.segments import Segment, SegmentKind
+from kvagent.segments import Segment, segment_from_dict, segment_to_dict
 
 MAGIC = b"KVLC"
 FORMAT = "langchain-kvagent-session/1"
-
-
-def _segment(seg: Segment) -> dict[str, Any]:
-    return {"kind": seg.kind.value, "text": seg.text, "role": seg.role, "name": seg.name, "id": seg.id,
-            "pinned": seg.pinned, "token_ids": list(seg.token_ids) if seg.token_ids is not None else None,
-            "complete": seg.complete, "value": seg.value, "template": seg.template}
-
-
-def _unsegment(data: dict[str, Any]) -> Segment:
-    ids = data.get("token_ids")
-    return Segment(SegmentKind(data["kind"]), data["text"], role=data["role"], name=data.get("name"), id=data["id"],
-                   pinned=data.get("pinned"), token_ids=tuple(ids) if ids is not None else None,
-                   complete=data.get("complete", True), value=data.get("value"), template=data.get("template"))
 
 
 def write(path: Path, blob: bytes, segments: Sequence[Segment], messages: Sequence[ChatMessage],
@@ -39,7 +26,7 @@ def write(path: Path, blob: bytes, segments: Sequence[Segment], messages: Sequen
     """Write atomically; returns the file's size."""
     header = json.dumps({
         "format": FORMAT,
-        "segments": [_segment(s) for s in segments],
+        "segments": [segment_to_dict(s) for s in segments],
         "messages": [{"role": m.role, "content": m.content, "name": m.name} for m in messages],
         "skills": list(skills),
     }).encode()
@@ -66,7 +53,7 @@ def read(path: Path) -> tuple[bytes, list[Segment], list[ChatMessage], list[str]
         header = json.loads(data[8:8 + length])
         if header.get("format") != FORMAT:
             raise ValueError(f"format {header.get('format')!r}, expected {FORMAT!r}")
-        segments = [_unsegment(s) for s in header["segments"]]
+        segments = [segment_from_dict(s) for s in header["segments"]]
         messages = [ChatMessage(m["role"], m["content"], m.get("name")) for m in header["messages"]]
         skills = [str(s) for s in header.get("skills", [])]
     except (ValueError, KeyError, TypeError) as exc:

@@ -14,7 +14,7 @@ model's own GGUF; else estimated with tiktoken. A prompt that does not fit raise
 
     engine = RemoteEngine("http://127.0.0.1:8001/v1", "smollm2-135m", n_ctx=4096, tokenizer="smollm2-135m")
     session = engine.session([Segment.policy("Be brief."), Segment.field("order_status", "processing")])
-    session.set("order_status", "shipped")          # an erratum message; the prefix stays byte-identical
+    session.set("order_status", "shipped", strategy="erratum")  # an erratum message; the prefix stays byte-identical
     reply = session.chat("Can I cancel?", max_tokens=64)
 """
 
@@ -68,6 +68,7 @@ class RemoteEdit:
     fields: tuple[str, ...]
     kept: int
     messages: int
+    reason: str | None = None  # why ``auto`` chose ``strategy``
 
 
 class RemoteEngine:
@@ -144,7 +145,7 @@ class RemoteSession:
 
     def messages(self, segments: Sequence[Segment] | None = None) -> list[Message]:
         """The chat messages sent for ``segments`` (default: the prompt as it is): one per segment."""
-        return [_message(s) for s in (self._segments if segments is None else segments)]
+        return _messages(self._segments if segments is None else segments)
 
     def count(self, segments: Sequence[Segment] | None = None) -> int:
         """Prompt tokens of the request for ``segments`` (with the reply's opening), counted locally."""
@@ -165,16 +166,22 @@ class RemoteSession:
         """A skill as text: one system message at the end of the prompt."""
         self.extend(skill.segment())
 
-    def set(self, name: str, value: object, *, strategy: str = "erratum") -> RemoteEdit:
+    def set(self, name: str, value: object, *, strategy: str = "auto") -> RemoteEdit:
         return self.set_many({name: value}, strategy=strategy)
 
-    def set_many(self, changes: Mapping[str, object], *, strategy: str = "erratum") -> RemoteEdit:
+    def set_many(self, changes: Mapping[str, object], *, strategy: str = "auto") -> RemoteEdit:
         """Change fields: ``erratum`` appends one message per field (every earlier message stays
         byte-identical); ``inplace`` rewrites the field where it stands (the prefix changes from there:
-        what edits inside a prefix cost a prefix cache; for comparison)."""
+        what edits inside a prefix cost a prefix cache; the remote equivalent of a recompute). ``auto``
+        (default): a remote engine sees messages only, so no splice: the erratum where the shipped choice table
+        (``kvagent.edits.auto``) says one held for this model (by registry name) where a splice cannot be exact,
+        else ``inplace``; ``RemoteEdit.reason`` says which and why."""
         self._check_open()
         checked = check_changes(self._segments, self._specs, changes)
         before = self.messages()
+        reason = None
+        if strategy == "auto":
+            strategy, reason = _auto_choice(self.engine.model)
         if strategy == "erratum":
             template = self.engine.erratum_template
             self._segments = [*self._segments, *(Segment.erratum(n, v, template=template) for n, v in checked.items())]
@@ -186,7 +193,7 @@ class RemoteSession:
             raise KVAgentError(f"unknown remote edit strategy {strategy!r}: use erratum or inplace")
         after = self.messages()
         kept = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
-        return RemoteEdit(strategy, tuple(checked), kept, len(after))
+        return RemoteEdit(strategy, tuple(checked), kept, len(after), reason)
 
     # -- generation -------------------------------------------------------------------------------
     def chat(self, user_text: str, max_tokens: int = 128, **sampling: Any) -> RemoteGeneration:
@@ -318,9 +325,33 @@ class RemoteStream:
         self.close()
 
 
-def _message(segment: Segment) -> Message:
-    """One segment as one chat message: turns keep their role, everything else is a system message."""
-    return {"role": segment.role, "content": segment.text}
+def _auto_choice(model: str) -> tuple[str, str]:
+    """(``erratum`` or ``inplace``, why) for a remote ``model`` from the shipped choice table's entry under
+    that registry name: its chat-format ``inexact`` choice (a remote engine cannot splice)."""
+    from kvagent.edits.auto import load_table
+
+    entry = load_table().get("models", {}).get(model, {}).get("formats", {}).get("chat")
+    if entry is None:
+        return "inplace", (f"auto: no edit calibration for {model!r}: the field is rewritten in place (the recompute "
+                           "a remote server's prefix cache does from the field on)")
+    if entry.get("inexact") == "erratum":
+        return "erratum", f"auto: an erratum held on the calibration for {model} (chat) where a splice cannot be exact"
+    return "inplace", (f"auto: no erratum rendering held on the calibration for {model} (chat): the field is rewritten "
+                       "in place (the server recomputes from it)")
+
+
+def _messages(segments: Sequence[Segment]) -> list[Message]:
+    """Segments as chat messages: one per segment with its role, except the parts of one message
+    (``Segment.message``: a segment that does not close its message), which are joined into it."""
+    out: list[Message] = []
+    continues = False
+    for segment in segments:
+        if continues:
+            out[-1]["content"] += segment.text
+        else:
+            out.append({"role": segment.role, "content": segment.text})
+        continues = not segment.closes
+    return out
 
 
 def _sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

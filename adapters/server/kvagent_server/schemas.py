@@ -106,7 +106,7 @@ class SessionCreate(BaseModel):
     memory: list[str] = Field(default_factory=list)
     skills: list[str] = Field(default_factory=list)
     eviction: EvictionIn | None = None
-    edit_strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] = "erratum"
+    edit_strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] = "auto"
 
 
 class FieldsSet(BaseModel):

@@ -44,7 +44,7 @@ class SessionOptions:
 
     fields: tuple[FieldSpec, ...] = ()
     eviction: Eviction | None = None
-    edit_strategy: str = "erratum"
+    edit_strategy: str = "auto"
 
 
 @dataclass(frozen=True)

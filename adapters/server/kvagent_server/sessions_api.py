@@ -19,7 +19,7 @@ from kvagent.errors import ContextOverflowError, FieldValueError, KVAgentError, 
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
 from kvagent.messages import ChatMessage
-from kvagent.segments import Segment, SegmentKind
+from kvagent.segments import Segment, SegmentKind, segment_from_dict, segment_to_dict
 
 from kvagent_server.errors import InvalidRequest, NotFound
 from kvagent_server.schemas import FieldIn, FieldsSet, SessionCreate
@@ -151,7 +151,8 @@ async def set_fields(state: ServerState, key: str, body: FieldsSet) -> dict[str,
                                                 lambda: session.aset_many(body.values, strategy=body.strategy))
         after = sum(s.kind is SegmentKind.ERRATUM for s in session.segments)
         state.metrics.errata.inc(max(0, after - before))
-        return {"strategy": report.strategy, "fields": list(report.fields), "reused": report.reused,
+        return {"strategy": report.strategy, "requested": report.requested, "reason": report.reason,
+                "fields": list(report.fields), "reused": report.reused,
                 "computed": report.computed, "stale": report.stale, "seconds": report.seconds,
                 "field_values": field_values(session.segments)}
 
@@ -173,20 +174,6 @@ async def include(state: ServerState, key: str, name: str) -> dict[str, Any]:
 
 
 # -- save / restore -------------------------------------------------------------------------------
-def segment_dict(s: Segment) -> dict[str, Any]:
-    return {"kind": s.kind.value, "text": s.text, "role": s.role, "name": s.name, "id": s.id, "pinned": s.pinned,
-            "token_ids": list(s.token_ids) if s.token_ids is not None else None, "complete": s.complete,
-            "value": s.value, "template": s.template}
-
-
-def segment_from(d: dict[str, Any]) -> Segment:
-    ids = d.get("token_ids")
-    token_ids = tuple(int(t) for t in ids) if ids is not None else None
-    return Segment(SegmentKind(d["kind"]), str(d["text"]), role=d.get("role", "system"), name=d.get("name"),
-                   id=d["id"], pinned=d.get("pinned"), token_ids=token_ids,
-                   complete=bool(d.get("complete", True)), value=d.get("value"), template=d.get("template"))
-
-
 async def save(state: ServerState, key: str) -> bytes:
     async with state.sessions.use(key, implicit=False) as entry:
         session = entry.session
@@ -204,8 +191,8 @@ async def save(state: ServerState, key: str) -> bytes:
             "eviction": None if opts.eviction is None else {
                 "policy": str(opts.eviction.policy), "budget": opts.eviction.budget, "chunk": opts.eviction.chunk},
             "edit_strategy": opts.edit_strategy,
-            "static": [segment_dict(s) for s in entry.static],
-            "segments": [segment_dict(s) for s in session.segments],
+            "static": [segment_to_dict(s) for s in entry.static],
+            "segments": [segment_to_dict(s) for s in session.segments],
             "messages": [{"role": m.role, "content": m.content, "name": m.name} for m in entry.log.messages],
             "kv": blob is not None,
         }
@@ -238,8 +225,8 @@ async def restore(state: ServerState, key: str, data: bytes) -> dict[str, Any]:
         ev = header.get("eviction")
         options = SessionOptions(tuple(specs), Eviction(ev["policy"], ev["budget"], ev["chunk"]) if ev else None,
                                  header.get("edit_strategy", "erratum"))
-        segments = [segment_from(d) for d in header["segments"]]
-        static = [segment_from(d) for d in header.get("static", [])]
+        segments = [segment_from_dict(d) for d in header["segments"]]
+        static = [segment_from_dict(d) for d in header.get("static", [])]
         messages = [ChatMessage(m["role"], m["content"], m.get("name")) for m in header.get("messages", [])]
     except (KeyError, TypeError, ValueError, ValidationError) as exc:
         raise InvalidRequest(f"the saved session's header is invalid: {exc}", param="body") from None

@@ -65,7 +65,7 @@ def volatile_system_prompt(model: ChatKVAgent) -> Callable[[State, RunnableConfi
 
 def test_ten_turn_graph_reads_the_cache_from_the_second_turn() -> None:
     fields_model = ChatKVAgent(**SETTINGS, max_tokens=12, policy=POLICY, skills=[str(SKILL)], fields=[QUEUE],
-                               compile_skills=True)
+                               compile_skills=True, edit_strategy="erratum")
     kv = run(KVAgentStateRunnable(fields_model), "graph-fields")
     plain = run(volatile_system_prompt(ChatKVAgent(**SETTINGS, max_tokens=12)), "graph-volatile")
     print("\nturn  kvagent layout: input cache_read ratio computed | "

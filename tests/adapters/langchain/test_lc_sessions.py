@@ -148,7 +148,7 @@ def test_timeout_cancels_and_rolls_back() -> None:
 
 # -- fields, skills, state -----------------------------------------------------------------------------
 def test_fields_become_errata_once_a_conversation_exists() -> None:
-    m = model(policy=POLICY, fields=[STATUS])
+    m = model(policy=POLICY, fields=[STATUS], edit_strategy="erratum")
     assert m.set_fields({"order_status": "shipped"}, session_id="f") is None  # no conversation yet: rendered in
     first = m.invoke("Can I cancel my order?", session_id="f")
     assert "order_status: shipped" in "".join(s.text for s in m.session("f").segments)
@@ -161,7 +161,7 @@ def test_fields_become_errata_once_a_conversation_exists() -> None:
 
 
 def test_state_runnable_turns_changed_state_into_one_erratum() -> None:
-    m = model(policy=POLICY, fields=[STATUS])
+    m = model(policy=POLICY, fields=[STATUS], edit_strategy="erratum")
     agent = KVAgentStateRunnable(m)
     config = {"configurable": {"thread_id": "state"}}
     update = agent.invoke({"messages": [HumanMessage("Where is my order?")], "order_status": "processing"}, config)

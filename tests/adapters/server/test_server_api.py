@@ -99,7 +99,7 @@ def test_sessions_crud_fields_errata_and_save_restore(core_engine: Any) -> None:
                       "fields": [{"name": "order_status", "initial": "processing",
                                   "allowed": ["processing", "shipped"]},
                                  {"name": "tier", "initial": "gold"}],
-                      "memory": ["Orders ship within two days."]}
+                      "memory": ["Orders ship within two days."], "edit_strategy": "erratum"}
             r = await client.post("/v1/sessions", json=create)
             assert r.status_code == 201, r.text
             made = r.json()
@@ -157,6 +157,24 @@ def test_sessions_crud_fields_errata_and_save_restore(core_engine: Any) -> None:
                          "kvagent_requests_running", "kvagent_requests_waiting", "kvagent_evicted_cells_total",
                          "kvagent_generated_tokens_total"):
                 assert name in metrics, name
+    run(main())
+
+
+def test_a_field_edit_by_default_is_auto_and_says_what_ran(core_engine: Any) -> None:
+    """Without ``edit_strategy`` a session edits with ``auto``: on SmolLM2's chat format the shipped choice
+    table picks field_only (kvagent/edits/data/auto.json); the response names what ran, what was asked and why."""
+    async def main() -> None:
+        async with served(core_engine) as (_, client):
+            create = {"id": "auto-1", "policy": POLICY, "fields": {"order_status": "processing"},
+                      "memory": ["Orders ship within two days."]}
+            assert (await client.post("/v1/sessions", json=create)).status_code == 201
+            edit = await client.post("/v1/sessions/auto-1/fields", json={"values": {"order_status": "shipped"}})
+            assert edit.status_code == 200, edit.text
+            report = edit.json()
+            assert (report["strategy"], report["requested"]) == ("field_only", "auto")
+            assert "field_only held on the calibration for smollm2-135m (chat)" in report["reason"]
+            assert report["field_values"] == {"order_status": "shipped"}
+            assert (await client.delete("/v1/sessions/auto-1")).status_code in (200, 204)
     run(main())
 
 

@@ -48,7 +48,8 @@ def test_parking_under_sequence_and_cell_pressure_loses_nothing(small_engine: An
             for i, sid in enumerate(sids):
                 r = await client.post("/v1/sessions", json={"id": sid, "policy": POLICY, "memory": [MEMORY * 2],
                                                             "fields": {"customer": f"C-{i:03d}",
-                                                                       "order": "processing"}})
+                                                                       "order": "processing"},
+                                                            "edit_strategy": "erratum"})
                 assert r.status_code == 201, r.text
                 assert small_engine.pool.free >= 0 and manager.cells_used() <= 1024
             for round_ in range(2):

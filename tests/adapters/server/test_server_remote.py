@@ -60,7 +60,8 @@ def test_ten_turns_ten_field_changes_extend_byte_for_byte_and_counts_match(llama
                                   Segment.memory("Orders ship within two days. Returns: 30 days.")], fields=specs)
         replies: list[str] = []
         for k in range(10):
-            edit = session.set("ticket" if k % 2 else "order_status", f"T-{k:04d}" if k % 2 else f"state-{k}")
+            edit = session.set("ticket" if k % 2 else "order_status", f"T-{k:04d}" if k % 2 else f"state-{k}",
+                               strategy="erratum")
             assert edit.kept == edit.messages - 1  # an erratum: every earlier message is untouched
             reply = session.chat(f"Question {k}: what is the status of my order? Ünïcödé ✓", max_tokens=8)
             assert reply.server_prompt_tokens == reply.prompt_tokens, (k, reply)
@@ -121,14 +122,34 @@ def test_inplace_edits_change_the_prefix_and_errata_do_not(counter: Any) -> None
     spec = FieldSpec(name="tier", initial="standard", allowed=("standard", "gold"))
     with RemoteEngine("http://127.0.0.1:9/v1", MODEL, n_ctx=4096, tokenizer=counter) as engine:
         session = engine.session([Segment.policy("Be brief."), spec.segment(), Segment.memory("Docs.")], fields=[spec])
-        erratum = session.set("tier", "gold")
+        erratum = session.set("tier", "gold", strategy="erratum")
         assert erratum.kept == 3 and session.field_values == {"tier": "gold"}
         inplace = session.set("tier", "gold", strategy="inplace")  # the field rewritten, its erratum gone
         assert inplace.kept == 1 and [m["content"] for m in session.messages()] == ["Be brief.", "tier: gold", "Docs."]
+        # auto (the default): no erratum held on SmolLM2's chat calibration, so the field is rewritten in place
+        auto = session.set("tier", "standard")
+        assert (auto.strategy, auto.kept) == ("inplace", 1) and "no erratum rendering held" in str(auto.reason)
         with pytest.raises(FieldValueError, match="tier"):
             session.set("tier", "platinum")
         with pytest.raises(FieldValueError, match="colour"):
             session.set("colour", "red")
+
+
+def test_a_field_inside_a_message_is_sent_as_one_message_and_edited_in_it(counter: Any) -> None:
+    """``Segment.message`` parts travel as one chat message (a remote engine sees messages only); an in-place
+    edit rewrites the field inside it."""
+    from kvagent import Segment
+    from kvagent.fields import FieldSpec
+    from kvagent_server.remote import RemoteEngine
+
+    spec = FieldSpec(name="tier", initial="standard", allowed=("standard", "gold"))
+    with RemoteEngine("http://127.0.0.1:9/v1", MODEL, n_ctx=4096, tokenizer=counter) as engine:
+        session = engine.session([Segment.policy("Be brief."),
+                                  *Segment.message("user", "The lookup says ", spec.segment(), ". Go on.")], fields=[spec])
+        assert session.messages() == [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "The lookup says tier: standard. Go on."}]
+        session.set("tier", "gold", strategy="inplace")
+        assert session.messages()[1] == {"role": "user", "content": "The lookup says tier: gold. Go on."}
 
 
 def test_without_a_gguf_tokens_are_estimated_offline() -> None:
