@@ -50,7 +50,8 @@ class Capabilities:
     ``full_logits``: logits can be asked for every decoded position, not only the last.
     ``swa_keeps_all``: a sliding-window model's cache keeps every cell of a sequence, also behind the window,
     and ``seq_save`` saves them all, so a splice or a restore behind the window is exact (vacuous without
-    sliding-window layers). llama.cpp needs ``swa_full`` and kvagent's patch (``native/patches``) for it.
+    sliding-window layers: a backend without them reports true, so callers test this flag alone). llama.cpp
+    needs ``swa_full`` and kvagent's patch (``native/patches``) for it.
     """
 
     positional_kv: bool

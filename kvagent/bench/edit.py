@@ -163,7 +163,7 @@ def latency_rows(engine: Engine, model: str, target_tokens: int, reps: int, stra
     case = Case("latency", segments, base.before, base.changes, base.question, base.erratum_templates)
     per: dict[str, list[float]] = {s: [] for s in strategies}
     reprefill: list[float] = []
-    if engine.backend.n_swa and not engine.backend.capabilities.swa_keeps_all:
+    if not engine.backend.capabilities.swa_keeps_all:
         # Sliding-window models on an unpatched llama.cpp: it keeps (and saves) only a window of SWA cells
         # once a long sequence has been rebuilt, after which a splice falls back to a recompute. Each
         # strategy gets a fresh session so it is timed on its own path (one repetition: each costs 3 prefills).

@@ -21,6 +21,7 @@ The report's ``strategy`` is what ran, ``requested`` is ``auto`` and ``reason`` 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -52,6 +53,22 @@ def load_table(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         return json.loads(Path(path or shipped_table_path()).read_text())  # type: ignore[no-any-return]
     except FileNotFoundError:
         return {"models": {}}
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    return load_table(path)
+
+
+def current_table(path: str | os.PathLike[str] | None = None) -> Mapping[str, Any]:
+    """The choice table at ``path`` (default: the shipped one), parsed once per file version: ``auto`` is the
+    default edit, so every ``set`` consults it. Read-only (shared between callers); an empty table if missing."""
+    file = Path(path or shipped_table_path())
+    try:
+        stat = file.stat()
+    except FileNotFoundError:
+        return {"models": {}}
+    return _parsed(str(file), stat.st_mtime_ns, stat.st_size)
 
 
 def table_entry(table: Mapping[str, Any], fingerprint: str, format: str) -> tuple[str, dict[str, Any]] | None:
@@ -97,7 +114,7 @@ class Auto(EditStrategy):
     def choose(self, session: EditTarget, changes: Mapping[str, object]) -> tuple[EditStrategy, str]:
         """The strategy to run and why."""
         fmt = session.prompt_format
-        found = table_entry(load_table(self.table), session.model_fingerprint, fmt)
+        found = table_entry(current_table(self.table), session.model_fingerprint, fmt)
         if found is None:
             return Recompute(), (f"auto: no edit calibration for this model in the {fmt} format: recompute (the oracle); "
                                  "run `kvagent edits calibrate --auto --model <model>` to measure the cheaper ones")

@@ -169,6 +169,6 @@ class CachedSequence:
         self.evicted, self.stale = frozenset(evicted), frozenset()
         if self.evictor is not None:
             self.evictor.forget_from(0)  # restored cells come without captured hidden states
-        n_swa, keeps_all = self.backend.n_swa, self.backend.capabilities.swa_keeps_all
-        self.floor = len(tokens) if n_swa and not keeps_all and len(tokens) > n_swa else 0
+        keeps_all = self.backend.capabilities.swa_keeps_all  # always true without sliding-window layers
+        self.floor = len(tokens) if not keeps_all and len(tokens) > self.backend.n_swa else 0
         self.publish()

@@ -31,7 +31,7 @@ def splice_refusal(state: CachedSequence, old: Rendered, new: Rendered, index: i
     if first < state.floor:
         return "the field lies in KV that was restored or transplanted"
     keeps_all = backend.capabilities.swa_keeps_all
-    if backend.n_swa and not keeps_all and len(old.tokens) - first > backend.n_swa:
+    if not keeps_all and len(old.tokens) - first > backend.n_swa:
         # unpatched llama.cpp reuses SWA cells once they fall out of every query's reach (and saves no more),
         # so KV far behind the end cannot be spliced into exactly (measured on Gemma-3; native/patches fixes it)
         return (f"more than the sliding window ({backend.n_swa}) lies downstream and this llama.cpp build drops "
@@ -39,7 +39,7 @@ def splice_refusal(state: CachedSequence, old: Rendered, new: Rendered, index: i
     if backend.n_swa and backend.seq_pos_range(state.seq)[0] > max(0, first - backend.n_swa + 1):
         # the field's tokens attend to the window before them: those cells must still be there
         return "the sliding-window cells before the field were dropped"
-    if delta != 0 and backend.n_swa and not keeps_all and state.pool.shares_beyond(state.seq, last + 1):
+    if delta != 0 and not keeps_all and state.pool.shares_beyond(state.seq, last + 1):
         # giving the parked run its own cells restores saved state, which keeps only the SWA window
         return "the downstream cells are shared with another session and the model uses sliding-window attention"
     if delta != 0 and not backend.capabilities.shift:

@@ -96,8 +96,7 @@ def sync(
             if run.skill is not None and library is not None:
                 fresh, copied = library.transplant(state.seq, run.skill, run.first)
                 computed, transplanted = computed + fresh, transplanted + copied
-                n_swa = backend.n_swa
-                if n_swa and not backend.capabilities.swa_keeps_all and copied + run.skill.n_sink > n_swa:
+                if not backend.capabilities.swa_keeps_all and copied + run.skill.n_sink > backend.n_swa:
                     # unpatched llama.cpp: its middle SWA cells did not travel
                     state.floor = max(state.floor, run.end)
                 state.tokens = new[: run.end]

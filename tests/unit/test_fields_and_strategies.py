@@ -313,6 +313,27 @@ def test_auto_chooses_from_the_table_and_says_why(tmp_path, entry, refusal, fmt,
         assert target.segments[-1].text == "Correction: status is now b."
 
 
+def test_the_choice_table_is_parsed_once_per_file_version(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import os
+
+    from kvagent.edits import auto
+
+    path = _table(tmp_path, ENTRY)
+    reads: list[str] = []
+    real = auto.load_table
+    monkeypatch.setattr(auto, "load_table", lambda p=None: reads.append(str(p)) or real(p))
+    first = auto.current_table(path)
+    assert auto.current_table(path) is first and len(reads) == 1
+    table = json.loads(open(path).read())
+    table["models"]["tiny"]["formats"]["plain"]["exact"] = "recompute"
+    with open(path, "w") as f:
+        f.write(json.dumps(table))
+    os.utime(path, ns=(1, 1))  # a new version even where the clock is coarse
+    assert auto.current_table(path)["models"]["tiny"]["formats"]["plain"]["exact"] == "recompute" and len(reads) == 2
+    assert auto.current_table(tmp_path / "missing.json") == {"models": {}}
+
+
 def test_auto_is_registered_and_the_shipped_table_loads() -> None:
     from kvagent.edits import Auto
     from kvagent.edits.auto import load_table, shipped_table_path

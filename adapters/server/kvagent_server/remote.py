@@ -328,9 +328,9 @@ class RemoteStream:
 def _auto_choice(model: str) -> tuple[str, str]:
     """(``erratum`` or ``inplace``, why) for a remote ``model`` from the shipped choice table's entry under
     that registry name: its chat-format ``inexact`` choice (a remote engine cannot splice)."""
-    from kvagent.edits.auto import load_table
+    from kvagent.edits.auto import current_table
 
-    entry = load_table().get("models", {}).get(model, {}).get("formats", {}).get("chat")
+    entry = current_table().get("models", {}).get(model, {}).get("formats", {}).get("chat")
     if entry is None:
         return "inplace", (f"auto: no edit calibration for {model!r}: the field is rewritten in place (the recompute "
                            "a remote server's prefix cache does from the field on)")
