@@ -18,23 +18,23 @@ early) stops its generation at the next token and rolls the turn back.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypeVar
+
+import numpy as np
 
 from kvagent.engine import Engine
-from kvagent.generation import Generation, GenerationStream, generation_work
-from kvagent.kv.steps import Work
+from kvagent.generation import Generation, GenerationStream
+from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport
 from kvagent.scheduler import Job, Scheduler, on_done
 from kvagent.segments import Segment
 from kvagent.session import Session
 
+if TYPE_CHECKING:
+    from kvagent.edits import EditReport
+    from kvagent.skills.spec import SkillSpec
+
 T = TypeVar("T")
-
-
-def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Work[T]:
-    """A synchronous verb as a unit of work: on the worker its own scheduler calls run inline."""
-    return fn(*args, **kwargs)
-    yield  # pragma: no cover
 
 
 def _notify(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
@@ -139,22 +139,27 @@ class AsyncSession:
     def __getattr__(self, name: str) -> Any:  # read-only state: tokens, segments, spans, field_values, ...
         return getattr(self.session, name)
 
-    async def _run(self, work: Work[T]) -> T:
-        return await _await(self._scheduler, self._scheduler.submit(self.session, work))  # type: ignore[no-any-return]
+    async def run(self, work: Work[T], *, timeout: float | None = None) -> T:
+        """Await a unit of work built from the session's ``*_work`` verbs (in order with its other calls).
+        ``timeout``: cancel it (rolled back) and raise ``TimeoutError`` past that many seconds."""
+        job = self._scheduler.submit(self.session, work)
+        try:
+            return await asyncio.wait_for(_await(self._scheduler, job), timeout)  # type: ignore[no-any-return]
+        except asyncio.TimeoutError:  # the job was cancelled and rolled back by _await's handler
+            raise TimeoutError(f"the call took longer than {timeout} s: cancelled and rolled back") from None
 
     async def aprefill(self) -> PrefillReport:
-        return await self._run(self.session.prefill_work())
+        return await self.run(self.session.prefill_work())
 
     async def areplace(self, segments: Sequence[Segment]) -> PrefillReport:
-        return await self._run(self.session.replace_work(segments))
+        return await self.run(self.session.replace_work(segments))
 
     async def aextend(self, *segments: Segment) -> PrefillReport:
-        return await self._run(self.session.extend_work(segments))
+        return await self.run(self.session.extend_work(segments))
 
     async def agenerate(self, max_tokens: int = 128, **options: Any) -> Generation:
         """As ``Session.generate``: ``user``, ``prefix``, ``segments`` (the whole prompt first), sampling."""
-        self.session._check_open()
-        return await self._run(generation_work(self.session.decoder(max_tokens, **options)))
+        return await self.run(self.session.respond_work(max_tokens, **options))
 
     async def achat(self, user_text: str, max_tokens: int = 128, **options: Any) -> Generation:
         return await self.agenerate(max_tokens, user=user_text, **options)
@@ -169,29 +174,29 @@ class AsyncSession:
         stream = self.session.open_stream(AsyncGenerationStream(), max_tokens, **options)
         return stream  # type: ignore[return-value]
 
-    async def aset(self, name: str, value: object, *, strategy: Any = None) -> Any:
-        return await self._run(_call(self.session.set, name, value, strategy=strategy))
+    async def aset(self, name: str, value: object, *, strategy: Any = None) -> EditReport:
+        return await self.aset_many({name: value}, strategy=strategy)
 
-    async def aset_many(self, changes: Mapping[str, object], *, strategy: Any = None) -> Any:
-        return await self._run(_call(self.session.set_many, changes, strategy=strategy))
+    async def aset_many(self, changes: Mapping[str, object], *, strategy: Any = None) -> EditReport:
+        return await self.run(self.session.set_many_work(changes, strategy=strategy))
 
-    async def ainclude(self, skill: Any) -> PrefillReport:
-        return await self._run(_call(self.session.include, skill))
+    async def ainclude(self, skill: SkillSpec) -> PrefillReport:
+        return await self.run(self.session.include_work(skill))
 
-    async def alogits(self) -> Any:
-        return await self._run(_call(self.session.logits))
+    async def alogits(self) -> np.ndarray:
+        return await self.run(self.session.logits_work())
 
     async def asave(self) -> bytes:
-        return await self._run(_call(self.session.save))
+        return await self.run(self.session.save_work())
 
     async def arestore(self, blob: bytes, segments: Sequence[Segment]) -> None:
-        await self._run(_call(self.session.restore, blob, segments))
+        await self.run(self.session.restore_work(blob, segments))
 
     async def aclose(self) -> None:
         stream = self.session._stream[1]() if self.session._stream is not None else None
         if stream is not None:
             stream.close(wait=False)
-        await self._run(_call(self.session.close))
+        await self.run(self.session.close_work())
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -214,7 +219,7 @@ class AsyncEngine:
     async def session(self, segments: Iterable[Segment] = (), **options: Any) -> AsyncSession:
         """Open a session (options as in ``Engine.session``)."""
         scheduler = self.engine.scheduler
-        session = await _await(scheduler, scheduler.submit(None, _call(self.engine.session, list(segments), **options)))
+        session = await _await(scheduler, scheduler.submit(None, self.engine.session_work(list(segments), **options)))
         return AsyncSession(session, scheduler)
 
     async def aclose(self) -> None:

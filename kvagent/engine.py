@@ -24,6 +24,7 @@ from kvagent.chat_format import BUILTIN_FORMATS, ChatFormat
 from kvagent.errors import ChatTemplateError, KVAgentError
 from kvagent.kv.pool import SequencePool
 from kvagent.kv.sequence import CachedSequence
+from kvagent.kv.work import Work
 from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
 from kvagent.scheduler import Scheduler
 from kvagent.segments import Renderer, Segment
@@ -194,29 +195,35 @@ class Engine:
         budget J, chunk h) prunes the cache in cycles instead of failing when the prompt outgrows it;
         such a session decodes alone when its policy reads captured hidden states.
         """
+        return self.scheduler.run(None, self.session_work(
+            segments, chat=chat, fields=fields, edit_strategy=edit_strategy, compact_after=compact_after,
+            share_prefix=share_prefix, fidelity=fidelity, eviction=eviction))
+
+    def session_work(
+        self, segments: Iterable[Segment] = (), *, chat: bool = True, fields: Sequence[FieldSpec] = (),
+        edit_strategy: str | EditStrategy = "auto", compact_after: int | None = None, share_prefix: bool = True,
+        fidelity: FidelityGuard | None = None, eviction: Eviction | None = None,
+    ) -> Work[Session]:
+        """:meth:`session` as a unit of work (run on the scheduler: taking a sequence is a native call)."""
         from kvagent.eviction import Evictor
         from kvagent.session import Session
 
         evictor = Evictor(eviction, self.backend, self.model.path) if eviction is not None else None
         renderer = self.renderer(chat)
-
-        def work() -> Iterator[None]:
-            seq = self.pool.take("a session")
-            try:
-                state = CachedSequence(self.pool, seq, evictor=evictor, chunk=self.settings.prefill_chunk)
-                session = Session(
-                    state, self.scheduler, renderer, list(segments), skills=lambda: self.skills,
-                    fingerprint=self.fingerprint, on_close=self._release, fields=fields, edit_strategy=edit_strategy,
-                    compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity,
-                )
-            except Exception:  # a refused argument must not leak the sequence
-                self.pool.release(seq)
-                raise
-            self._sessions[seq] = session
-            return session  # type: ignore[return-value]
-            yield  # pragma: no cover
-
-        return self.scheduler.run(None, work())  # type: ignore[arg-type, no-any-return]
+        seq = self.pool.take("a session")
+        try:
+            cache = CachedSequence(self.pool, seq, evictor=evictor, chunk=self.settings.prefill_chunk)
+            session = Session(
+                cache, self.scheduler, renderer, list(segments), skills=lambda: self.skills,
+                fingerprint=self.fingerprint, on_close=self._release, fields=fields, edit_strategy=edit_strategy,
+                compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity,
+            )
+        except Exception:  # a refused argument must not leak the sequence
+            self.pool.release(seq)
+            raise
+        self._sessions[seq] = session
+        return session
+        yield  # pragma: no cover - a unit of work that never pauses
 
     @property
     def has_free_sequence(self) -> bool:

@@ -83,16 +83,18 @@ class Evictor:
         self.cycles: list[CycleReport] = []
 
     # -- hidden states ----------------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq: int, outputs: Sequence[bool]) -> np.ndarray:
-        """``backend.decode`` for this session, recording H^(L-1) rows when the policy needs them."""
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+               outputs: Sequence[bool]) -> np.ndarray:
+        """``Backend.decode`` (same signature, so a sequence decodes through either), recording H^(L-1) rows per
+        position when the policy needs them. One evictor belongs to one sequence: every id names it."""
         capture = self._capture if self.policy.needs_hidden else None
         self._tokens.update(zip((int(p) for p in positions), (int(t) for t in tokens)))
         if capture is None:
-            return self._backend.decode(tokens, positions, [seq] * len(tokens), outputs)
+            return self._backend.decode(tokens, positions, seq_ids, outputs)
         capture.clear()
         capture.enabled = True
         try:
-            logits = self._backend.decode(tokens, positions, [seq] * len(tokens), outputs)
+            logits = self._backend.decode(tokens, positions, seq_ids, outputs)
         finally:
             capture.enabled = False
         rows = capture.take().get(self._layer, [])

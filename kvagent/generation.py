@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from kvagent.errors import ContextOverflowError, KVAgentError
-from kvagent.kv.steps import PAUSE, DecodeStep, Work
+from kvagent.kv.work import PAUSE, DecodeStep, Work
 from kvagent.kv.sync import PrefillReport
 from kvagent.sampling import Sampler
 from kvagent.segments import Rendered, Renderer, Segment, SegmentKind, common_prefix
@@ -59,7 +59,7 @@ class Generation:
         return len(self.token_ids)
 
 
-class TurnMemory:
+class ReplyTokens:
     """Text of assistant turns a session generated -> their exact tokens (bounded), so a client that sends
     the whole history back (OpenAI / LangChain style) re-renders to the tokens already cached."""
 
@@ -84,7 +84,7 @@ class TurnMemory:
 class TurnHost(Protocol):
     """What a decoder needs from the session it generates for."""
 
-    state: CachedSequence
+    cache: CachedSequence
     renderer: Renderer
 
     @property
@@ -92,7 +92,7 @@ class TurnHost(Protocol):
     def sync_work(self, rendered: Rendered) -> Work[PrefillReport]: ...
     def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]: ...
     def restore_segments(self, segments: Sequence[Segment]) -> None: ...
-    turns: TurnMemory
+    replies: ReplyTokens
 
 
 class Decoder:
@@ -131,7 +131,7 @@ class Decoder:
 
     @property
     def batchable(self) -> bool:
-        return self.host.state.batchable
+        return self.host.cache.batchable
 
     def prepare(self) -> Work[None]:
         """Sync the prompt (with the extra segments and the open reply) and keep its next-token logits."""
@@ -143,7 +143,7 @@ class Decoder:
         self._rendered = rendered
         self._report = yield from host.sync_work(rendered)
         self._reserve = 1 + host.renderer.closing_length("assistant")  # a finished turn always fits
-        self._logits = host.state.logits
+        self._logits = host.cache.logits
 
     def step(self) -> DecodeStep | None:
         """Sample the next token; the decode it needs, or None when the turn is complete."""
@@ -152,11 +152,11 @@ class Decoder:
         token = self.sampler(self._logits)
         if not self.ids:
             self.ttft = time.perf_counter() - self._start
-        if self.host.state.backend.is_eog(token):
+        if self.host.cache.backend.is_eog(token):
             self.finish_reason, self.done = "eos", True
             return None
         self.ids.append(token)
-        piece = self._out.feed(self.host.state.backend.token_bytes(token))
+        piece = self._out.feed(self.host.cache.backend.token_bytes(token))
         if piece:
             self.on_piece(piece)
         if self._out.stopped:
@@ -165,7 +165,7 @@ class Decoder:
             self.done = True
         if self.done:
             return None
-        state = self.host.state
+        state = self.host.cache
         if state.cells + self._reserve > state.backend.n_ctx:
             raise ContextOverflowError(
                 f"the context of {state.backend.n_ctx} tokens filled up after {len(self.ids)} generated tokens: the "
@@ -178,14 +178,14 @@ class Decoder:
         """``step``'s token was decoded with next-token ``logits`` ``[n_vocab]``."""
         if self._rendered is None:
             raise KVAgentError("accept() before prepare() (internal error)")
-        self.host.state.append(step.token, logits, self._rendered)
+        self.host.cache.append(step.token, logits, self._rendered)
         self._logits = logits
 
     def decode_alone(self, step: DecodeStep) -> None:
         """Decode ``step`` without the batch (sessions whose eviction records hidden states)."""
         if self._rendered is None:
             raise KVAgentError("decode_alone() before prepare() (internal error)")
-        self._logits = self.host.state.decode_token(step.token, self._rendered)
+        self._logits = self.host.cache.decode_token(step.token, self._rendered)
 
     def finish(self) -> Work[Generation]:
         """Commit the turn (its tokens stay cached) and return the :class:`Generation`."""
@@ -197,7 +197,7 @@ class Decoder:
         body_ids: tuple[int, ...] | None = None
         if self.finish_reason != "stop":  # a stop string cut the text mid-token: its tokens come from the text
             body_ids = (*self._prefix_ids(), *self.ids)
-            host.turns.remember(self.prefix + text, body_ids)
+            host.replies.remember(self.prefix + text, body_ids)
         turn = Segment.assistant(self.prefix + text, token_ids=body_ids)
         yield from host.replace_work([*self._before, turn])
         r = self._report
@@ -212,7 +212,7 @@ class Decoder:
             return
         original = host.renderer.render(self._original).tokens if self._original else ()
         # always cut: a step decoded but not yet accepted (cancelled in between) left a cell past the tokens
-        host.state.cut(common_prefix(host.state.tokens, original))
+        host.cache.cut(common_prefix(host.cache.tokens, original))
         host.restore_segments(self._original)
 
     def _prefix_ids(self) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvagent.errors import KVAgentError
 from kvagent.kv.pool import SequencePool
-from kvagent.kv.steps import DecodeStep, Work, drive
+from kvagent.kv.work import DecodeStep, Work, drive
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,13 +95,23 @@ class Scheduler:
             self._cond.notify_all()
         return job
 
-    def run(self, owner: Hashable, work: Work[T]) -> T:
+    def run(self, owner: Hashable, work: Work[T], *, timeout: float | None = None) -> T:
         """Run ``work`` and return its result: inline when called from the worker itself (a nested call,
-        e.g. an edit strategy calling ``session.extend``), else through the queue, blocking this thread."""
+        e.g. an edit strategy calling ``session.extend``), else through the queue, blocking this thread.
+        ``timeout`` (seconds, not inline): past it the job is cancelled, rolled back, and ``TimeoutError`` raised."""
         if self.on_worker:
             return drive(work, self.pool.backend)
         job = self.submit(owner, work)
-        return job.future.result()  # type: ignore[no-any-return]
+        try:
+            return job.future.result(timeout)  # type: ignore[no-any-return]
+        except concurrent.futures.TimeoutError:
+            self.cancel(job, wait=True)
+            error = job.future.exception()
+            if error is None:  # it finished in between: keep its result
+                return job.future.result()  # type: ignore[no-any-return]
+            if isinstance(error, Cancelled):
+                raise TimeoutError(f"the call took longer than {timeout} s: cancelled and rolled back") from None
+            raise error from None
 
     def cancel(self, job: Job, *, wait: bool = False) -> None:
         """Stop ``job`` at its next step (rolled back by its own handlers); its future raises Cancelled.

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -22,11 +22,11 @@ from kvagent.chat_format import ChatFormat
 from kvagent.edits import EditReport, EditStrategy, get_strategy
 from kvagent.errors import KVAgentError, SessionClosedError
 from kvagent.fields import check_changes
-from kvagent.generation import Decoder, Generation, GenerationStream, TurnMemory, generation_work, start_stream
+from kvagent.generation import Decoder, Generation, GenerationStream, ReplyTokens, generation_work, start_stream
 from kvagent.kv.persist import restore_blob, save_blob
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.splice import Refresh, splice_field, splice_refusal
-from kvagent.kv.steps import Work
+from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport, sync
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
@@ -40,25 +40,26 @@ if TYPE_CHECKING:
     from kvagent.skills.spec import SkillSpec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Session:
     """A prompt of segments kept alive as KV in one sequence. Open with ``engine.session(...)``."""
 
     def __init__(
-        self, state: CachedSequence, scheduler: Scheduler, renderer: Renderer, segments: Sequence[Segment], *,
+        self, cache: CachedSequence, scheduler: Scheduler, renderer: Renderer, segments: Sequence[Segment], *,
         skills: Callable[[], SkillLibrary], fingerprint: str, on_close: Callable[[Session], None],
         fields: Sequence[FieldSpec] = (), edit_strategy: str | EditStrategy = "auto",
         compact_after: int | None = None, share_prefix: bool = True, fidelity: FidelityGuard | None = None,
     ) -> None:
         if compact_after is not None and compact_after < 1:
             raise ValueError(f"compact_after must be >= 1 (or None to never compact), got {compact_after}")
-        self.state, self.renderer, self.model_fingerprint = state, renderer, fingerprint
+        self.cache, self.renderer, self.model_fingerprint = cache, renderer, fingerprint
         self._scheduler, self._skills, self._on_close = scheduler, skills, on_close
         self._segments: list[Segment] = list(segments)
         self._rendered: Rendered | None = None
         self._closed = False
-        self.turns = TurnMemory()
+        self.replies = ReplyTokens()
         self._specs = {spec.name: spec for spec in fields}
         self._strategy = get_strategy(edit_strategy)
         self._compact_after, self._share_prefix, self._fidelity = compact_after, share_prefix, fidelity
@@ -66,24 +67,24 @@ class Session:
         self._warned: set[str] = set()  # fallback reasons already logged at WARNING
 
     # -- state ------------------------------------------------------------------------------------
-    seq = property(lambda self: self.state.seq, doc="The backend sequence id this session's KV lives in.")
+    seq = property(lambda self: self.cache.seq, doc="The backend sequence id this session's KV lives in.")
     closed = property(lambda self: self._closed)
     segments = property(lambda self: tuple(self._segments))
-    tokens = property(lambda self: self.state.tokens, doc="Token ids of the cached prompt (positions 0..len-1).")
-    evicted_positions = property(lambda self: self.state.evicted, doc="Positions an eviction cycle removed.")
-    cached_positions = property(lambda self: self.state.cached_positions, doc="Positions whose KV is held.")
-    stale_positions = property(lambda self: self.state.stale, doc="KV kept stale by a field-only/selective edit.")
-    clean_prefix = property(lambda self: self.state.clean_prefix, doc="Cached prefix other sessions may share.")
-    n_ctx = property(lambda self: self.state.backend.n_ctx)
+    tokens = property(lambda self: self.cache.tokens, doc="Token ids of the cached prompt (positions 0..len-1).")
+    evicted_positions = property(lambda self: self.cache.evicted, doc="Positions an eviction cycle removed.")
+    cached_positions = property(lambda self: self.cache.cached_positions, doc="Positions whose KV is held.")
+    stale_positions = property(lambda self: self.cache.stale, doc="KV kept stale by a field-only/selective edit.")
+    clean_prefix = property(lambda self: self.cache.clean_prefix, doc="Cached prefix other sessions may share.")
+    n_ctx = property(lambda self: self.cache.backend.n_ctx)
 
     @property
     def cycles(self) -> tuple[CycleReport, ...]:
         """Every eviction cycle this session ran (empty without an eviction policy)."""
-        return tuple(self.state.evictor.cycles) if self.state.evictor is not None else ()
+        return tuple(self.cache.evictor.cycles) if self.cache.evictor is not None else ()
 
     def cached_spans(self) -> list[tuple[Span, tuple[int, ...]]]:
         """Provenance: each span of the prompt with the positions of it still cached."""
-        gone = self.state.evicted
+        gone = self.cache.evicted
         return [(s, tuple(p for p in range(s.first, s.last + 1) if p not in gone)) for s in self.rendered.spans]
 
     @property
@@ -103,8 +104,17 @@ class Session:
         kinds = (SegmentKind.FIELD, SegmentKind.ERRATUM)
         return {str(s.name): s.value for s in self._segments if s.kind in kinds}
 
+    @property
+    def prompt_format(self) -> str:
+        """``chat`` when the session renders with the model's chat template, ``plain`` when it renders plain
+        text (``engine.session(chat=False)``); edit calibrations are kept per format."""
+        return "plain" if self.renderer.chat_format == ChatFormat.plain() else "chat"
+
     # -- running work on the scheduler -------------------------------------------------------------
-    def _run(self, work: Work[Any]) -> Any:
+    def run(self, work: Work[T], *, timeout: float | None = None) -> T:
+        """Run a unit of work built from this session's ``*_work`` verbs, in order with its other calls, and
+        return its result (from any thread; inline when called from the engine's worker). ``timeout``: cancel
+        it (rolled back) and raise ``TimeoutError`` past that many seconds."""
         if self._stream is not None and not self._scheduler.on_worker:
             job, ref = self._stream
             stream = ref()
@@ -112,7 +122,7 @@ class Session:
                 work.close()
                 raise KVAgentError("this thread is reading a stream of this session: read it to the end or close() "
                                    "it before calling the session again")
-        return self._scheduler.run(self, work)
+        return self._scheduler.run(self, work, timeout=timeout)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -121,39 +131,44 @@ class Session:
     def sync_work(self, rendered: Rendered) -> Work[PrefillReport]:
         """Bring the cache to ``rendered`` (the one place a sync starts; see ``kv.sync``)."""
         library = self._skills()
-        return sync(self.state, rendered, skills=library, renderer_sink=lambda: library.sink(self.renderer),
+        return sync(self.cache, rendered, skills=library, renderer_sink=lambda: library.sink(self.renderer),
                     share_prefix=self._share_prefix, fidelity=self._fidelity)
+
+    def restore_segments(self, segments: Sequence[Segment]) -> None:
+        self._segments, self._rendered = list(segments), None
+
+    # -- prompt: units of work, and their blocking forms ------------------------------------------
+    def prefill_work(self) -> Work[PrefillReport]:
+        self._check_open()
+        return (yield from self.sync_work(self.rendered))
 
     def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]:
         self._check_open()
-        segments = [self.turns.resolve(s) for s in segments]
+        segments = [self.replies.resolve(s) for s in segments]
         rendered = self.renderer.render(segments)  # validates before anything changes
         report = yield from self.sync_work(rendered)
         self._segments, self._rendered = segments, rendered
         return report
 
-    def restore_segments(self, segments: Sequence[Segment]) -> None:
-        self._segments, self._rendered = list(segments), None
-
-    def prefill_work(self) -> Work[PrefillReport]:
-        self._check_open()
-        return (yield from self.sync_work(self.rendered))
-
-    # -- prompt -----------------------------------------------------------------------------------
-    def prefill(self) -> PrefillReport:
-        """Bring the cache in line with the current segments (reusing the cached prefix)."""
-        return self._run(self.prefill_work())  # type: ignore[no-any-return]
-
-    def extend(self, *segments: Segment) -> PrefillReport:
-        """Append segments and prefill them; refused (nothing changed) if the order is invalid or too long."""
-        return self._run(self.extend_work(segments))  # type: ignore[no-any-return]
-
     def extend_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]:
         return (yield from self.replace_work([*self._segments, *segments]))  # the prompt as it is when this runs
 
+    def include_work(self, skill: SkillSpec) -> Work[PrefillReport]:
+        self._check_open()
+        segment = self._skills().segment(skill, self.renderer)
+        return (yield from self.replace_work([*self._segments, segment]))
+
+    def prefill(self) -> PrefillReport:
+        """Bring the cache in line with the current segments (reusing the cached prefix)."""
+        return self.run(self.prefill_work())
+
+    def extend(self, *segments: Segment) -> PrefillReport:
+        """Append segments and prefill them; refused (nothing changed) if the order is invalid or too long."""
+        return self.run(self.extend_work(segments))
+
     def replace(self, segments: Sequence[Segment]) -> PrefillReport:
         """Make ``segments`` the whole prompt; the longest cached prefix is reused, the rest computed."""
-        return self._run(self.replace_work(segments))  # type: ignore[no-any-return]
+        return self.run(self.replace_work(segments))
 
     def include(self, skill: SkillSpec) -> PrefillReport:
         """Place a skill at the end of the prompt: compiled once per model, then transplanted (not prefilled).
@@ -161,90 +176,88 @@ class Session:
         The report's ``transplanted`` counts the tokens whose KV was copied; where the backend cannot
         shift positions the skill is prefilled instead (``transplanted == 0``).
         """
-        def work() -> Work[PrefillReport]:
-            self._check_open()
-            segment = self._skills().segment(skill, self.renderer)
-            return (yield from self.replace_work([*self._segments, segment]))
-        return self._run(work())  # type: ignore[no-any-return]
+        return self.run(self.include_work(skill))
 
     # -- edits (kvagent.edits) --------------------------------------------------------------------
+    def set_many_work(self, changes: Mapping[str, object], *, strategy: str | EditStrategy | None = None) -> Work[EditReport]:
+        self._check_open()
+        checked = check_changes(self._segments, self._specs, changes)
+        report = yield from (self._strategy if strategy is None else get_strategy(strategy)).apply(self, checked)
+        n_errata = sum(seg.kind is SegmentKind.ERRATUM for seg in self._segments)
+        if self._compact_after is not None and n_errata > self._compact_after:
+            yield from self.compact_work()
+        return report
+
     def set(self, name: str, value: object, *, strategy: str | EditStrategy | None = None) -> EditReport:
         """Change one field's value through an edit strategy (default: the session's, ``auto``)."""
         return self.set_many({name: value}, strategy=strategy)
 
     def set_many(self, changes: Mapping[str, object], *, strategy: str | EditStrategy | None = None) -> EditReport:
         """Change several fields at once. Every name and value is checked before any KV changes."""
-        def work() -> Work[EditReport]:
-            self._check_open()
-            checked = check_changes(self._segments, self._specs, changes)
-            report = (self._strategy if strategy is None else get_strategy(strategy)).apply(self, checked)
-            n_errata = sum(seg.kind is SegmentKind.ERRATUM for seg in self._segments)
-            if self._compact_after is not None and n_errata > self._compact_after:
-                self.compact()
-            return report
-            yield  # pragma: no cover - a unit of work; the strategy's own calls run inline
-        return self._run(work())  # type: ignore[no-any-return]
+        return self.run(self.set_many_work(changes, strategy=strategy))
+
+    def compact_work(self) -> Work[PrefillReport]:
+        values = self.field_values
+        return (yield from self.replace_work([
+            seg.with_value(values[str(seg.name)]) if seg.kind is SegmentKind.FIELD else seg
+            for seg in self._segments if seg.kind is not SegmentKind.ERRATUM
+        ]))
 
     def compact(self) -> PrefillReport:
         """Fold every erratum back into its field; only the KV after the first changed field is recomputed."""
-        def work() -> Work[PrefillReport]:
-            values = self.field_values
-            return (yield from self.replace_work([
-                seg.with_value(values[str(seg.name)]) if seg.kind is SegmentKind.FIELD else seg
-                for seg in self._segments if seg.kind is not SegmentKind.ERRATUM
-            ]))
-        return self._run(work())  # type: ignore[no-any-return]
+        return self.run(self.compact_work())
 
     def _with_value(self, name: str, value: object) -> tuple[int, list[Segment]]:
         """(index of field ``name``, the segments with that field holding ``value``)."""
         index = next(i for i, s in enumerate(self._segments) if s.kind is SegmentKind.FIELD and s.name == name)
         return index, [*self._segments[:index], self._segments[index].with_value(value), *self._segments[index + 1:]]
 
+    def splice_refusal_work(self, name: str, value: object) -> Work[str | None]:
+        self._check_open()
+        old = self.rendered
+        yield from self.sync_work(old)
+        index, segments = self._with_value(name, value)
+        return splice_refusal(self.cache, old, self.renderer.render(segments), index)
+
     def splice_refusal(self, name: str, value: object) -> str | None:
         """Why field ``name`` cannot be spliced to ``value`` exactly right now (after eviction, past a sliding
         window, ...), or None when it can: what ``splice_field`` would fall back on. Prefills first."""
-        def work() -> Work[str | None]:
-            self._check_open()
-            old = self.rendered
-            yield from self.sync_work(old)
-            index, segments = self._with_value(name, value)
-            return splice_refusal(self.state, old, self.renderer.render(segments), index)
-        return self._run(work())  # type: ignore[no-any-return]
+        return self.run(self.splice_refusal_work(name, value))
 
-    @property
-    def prompt_format(self) -> str:
-        """``chat`` when the session renders with the model's chat template, ``plain`` when it renders plain
-        text (``engine.session(chat=False)``); edit calibrations are kept per format."""
-        return "plain" if self.renderer.chat_format == ChatFormat.plain() else "chat"
+    def splice_field_work(self, name: str, value: object, refresh: Refresh | None = None) -> Work[PrefillReport]:
+        self._check_open()
+        old = self.rendered
+        yield from self.sync_work(old)
+        index, segments = self._with_value(name, value)
+        new = self.renderer.render(segments)
+        reason = splice_refusal(self.cache, old, new, index)
+        if reason is not None:
+            # no silent fallback: the report says why, the log says it once per session and reason
+            if reason not in self._warned:
+                self._warned.add(reason)
+                log.warning("field %r cannot be spliced exactly on sequence %d (%s): recomputing from the field",
+                            name, self.seq, reason)
+            report = yield from self.replace_work(segments)
+            return dataclasses.replace(report, recomputed_because=reason)
+        self._segments, self._rendered = segments, new  # from here the prompt holds the new value
+        return (yield from splice_field(self.cache, old, new, index, refresh))
 
     def splice_field(self, name: str, value: object, refresh: Refresh | None = None) -> PrefillReport:
         """Rewrite one field's KV in place, keeping the downstream KV stale except ``refresh`` positions
         (``kv.splice``); where that cannot be exact (after eviction, past a sliding window) it recomputes
         from the field. Used by the ``field_only`` and ``selective`` edits."""
-        def work() -> Work[PrefillReport]:
-            self._check_open()
-            old = self.rendered
-            yield from self.sync_work(old)
-            index, segments = self._with_value(name, value)
-            new = self.renderer.render(segments)
-            reason = splice_refusal(self.state, old, new, index)
-            if reason is not None:
-                # no silent fallback (issue 14): the report says why, the log says it once per session and reason
-                if reason not in self._warned:
-                    self._warned.add(reason)
-                    log.warning("field %r cannot be spliced exactly on sequence %d (%s): recomputing from the field",
-                                name, self.seq, reason)
-                report = yield from self.replace_work(segments)
-                return dataclasses.replace(report, recomputed_because=reason)
-            self._segments, self._rendered = segments, new  # from here the prompt holds the new value
-            return (yield from splice_field(self.state, old, new, index, refresh))
-        return self._run(work())  # type: ignore[no-any-return]
+        return self.run(self.splice_field_work(name, value, refresh))
 
     # -- generation -------------------------------------------------------------------------------
+    def respond_work(self, max_tokens: int = 128, **options: Any) -> Work[Generation]:
+        """The next assistant turn as one unit of work (``options`` as in :meth:`stream`)."""
+        self._check_open()
+        return (yield from generation_work(self.decoder(max_tokens, **options)))
+
     def generate(self, max_tokens: int = 128, **options: Any) -> Generation:
         """Generate the assistant's next turn and keep it in the cache; ``options`` as in :meth:`stream`."""
         self._check_open()
-        return self._run(generation_work(self.decoder(max_tokens, **options)))  # type: ignore[no-any-return]
+        return self.run(self.respond_work(max_tokens, **options))
 
     def decoder(
         self, max_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -254,7 +267,7 @@ class Session:
         """A :class:`~kvagent.generation.Decoder` for the next turn (what :meth:`stream` runs)."""
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         extra = [Segment.user(user)] if user is not None else []
-        base = [self.turns.resolve(s) for s in segments] if segments is not None else None
+        base = [self.replies.resolve(s) for s in segments] if segments is not None else None
         return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece, base=base)
 
     def stream(self, max_tokens: int = 128, **options: Any) -> GenerationStream:
@@ -280,31 +293,34 @@ class Session:
         return self.generate(max_tokens, user=user_text, **sampling)
 
     # -- logits, save, restore --------------------------------------------------------------------
+    def logits_work(self) -> Work[np.ndarray]:
+        yield from self.prefill_work()
+        return self.cache.logits.copy()  # type: ignore[union-attr]
+
     def logits(self) -> np.ndarray:
         """Next-token logits ``[n_vocab]`` after the cached prompt (prefills first if needed)."""
-        def work() -> Work[np.ndarray]:
-            yield from self.prefill_work()
-            return self.state.logits.copy()  # type: ignore[union-attr]
-        return self._run(work())  # type: ignore[no-any-return]
+        return self.run(self.logits_work())
+
+    def save_work(self) -> Work[bytes]:
+        yield from self.prefill_work()
+        return save_blob(self.cache, self.model_fingerprint)
 
     def save(self) -> bytes:
         """This session's KV and prompt as a checked blob (see ``kvblob.KVBlob``)."""
-        def work() -> Work[bytes]:
-            yield from self.prefill_work()
-            return save_blob(self.state, self.model_fingerprint)
-        return self._run(work())  # type: ignore[no-any-return]
+        return self.run(self.save_work())
+
+    def restore_work(self, blob: bytes, segments: Sequence[Segment]) -> Work[None]:
+        self._check_open()
+        rendered = self.renderer.render(list(segments))
+        restore_blob(self.cache, blob, rendered.tokens, self.model_fingerprint)
+        self._segments, self._rendered = list(segments), rendered
+        return None
+        yield  # pragma: no cover - a unit of work that never pauses
 
     def restore(self, blob: bytes, segments: Sequence[Segment]) -> None:
         """Load KV saved by :meth:`save` for the prompt ``segments`` (which must render to its tokens).
         Checks come first (model, format, checksum, tokens); a refused blob leaves the session as it was."""
-        def work() -> Work[None]:
-            self._check_open()
-            rendered = self.renderer.render(list(segments))
-            restore_blob(self.state, blob, rendered.tokens, self.model_fingerprint)
-            self._segments, self._rendered = list(segments), rendered
-            return None
-            yield  # pragma: no cover
-        self._run(work())
+        self.run(self.restore_work(blob, segments))
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -315,13 +331,15 @@ class Session:
         stream = self._stream[1]() if self._stream is not None else None
         if stream is not None:
             stream.close()
-        def work() -> Work[None]:
-            if not self._closed:
-                self._closed = True
-                self._on_close(self)
-            return None
-            yield  # pragma: no cover
-        self._scheduler.run(self, work())
+        self._scheduler.run(self, self.close_work())
+
+    def close_work(self) -> Work[None]:
+        """The close itself, queued behind this session's other work (cancel a running stream first)."""
+        if not self._closed:
+            self._closed = True
+            self._on_close(self)
+        return None
+        yield  # pragma: no cover - a unit of work that never pauses
 
     def __enter__(self) -> Session:
         return self

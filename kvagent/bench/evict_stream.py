@@ -59,10 +59,7 @@ class Stream:
             part = ids[s : s + self.chunk]
             pos = list(range(self.next_pos, self.next_pos + len(part)))
             flags = [outputs] * (len(part) - 1) + [True]
-            if self.evictor is not None:
-                logits = self.evictor.decode(part, pos, self.seq, flags)
-            else:
-                logits = self.backend.decode(part, pos, [self.seq] * len(part), flags)
+            logits = (self.evictor or self.backend).decode(part, pos, [self.seq] * len(part), flags)
             rows.append(logits)
             self.tokens.update(zip(pos, part))
             if pin:

@@ -73,7 +73,7 @@ def latency(engine: Any, sizes: tuple[int, ...], policies: tuple[str, ...],
         with engine.scratch() as seq:
             progress(f"{model} latency: prefill of {n} tokens with capture")
             start = time.perf_counter()
-            recorder.decode(ids, range(n), seq, [False] * (n - 1) + [True])
+            recorder.decode(ids, range(n), [seq] * n, [False] * (n - 1) + [True])
             prefill_ms = (time.perf_counter() - start) * 1000
         hidden = recorder.hidden_rows(np.arange(n))
         texts = recorder.texts(np.asarray(ids))

@@ -38,6 +38,7 @@ from kvagent.edits.selective import Selective
 
 if TYPE_CHECKING:
     from kvagent.edits.base import EditTarget
+    from kvagent.kv.work import Work
 
 EXACT_ORDER = ("field_only", "selective", "combined", "erratum", "recompute")  # cheapest first
 
@@ -111,15 +112,19 @@ class Auto(EditStrategy):
     table: str | os.PathLike[str] | None = None
     name: str = "auto"
 
-    def choose(self, session: EditTarget, changes: Mapping[str, object]) -> tuple[EditStrategy, str]:
-        """The strategy to run and why."""
+    def choose(self, session: EditTarget, changes: Mapping[str, object]) -> Work[tuple[EditStrategy, str]]:
+        """The strategy to run and why (a unit of work: asking whether a splice can be exact prefills first)."""
         fmt = session.prompt_format
         found = table_entry(current_table(self.table), session.model_fingerprint, fmt)
         if found is None:
             return Recompute(), (f"auto: no edit calibration for this model in the {fmt} format: recompute (the oracle); "
                                  "run `kvagent edits calibrate --auto --model <model>` to measure the cheaper ones")
         model, entry = found
-        refused = {name: why for name, value in changes.items() if (why := session.splice_refusal(name, value))}
+        refused = {}
+        for name, value in changes.items():
+            why = yield from session.splice_refusal_work(name, value)
+            if why:
+                refused[name] = why
         if not refused:
             choice = str(entry.get("exact", "recompute"))
             key = f"erratum:{entry.get('rendering', 'system')}" if choice == "erratum" else choice
@@ -144,9 +149,9 @@ class Auto(EditStrategy):
                              f"calibration for {model} ({fmt}; best {rendering!r}: "
                              f"{_measured(entry, 'erratum:' + rendering)}): recompute")
 
-    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
-        strategy, why = self.choose(session, changes)
-        report = strategy.apply(session, changes)
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> Work[EditReport]:
+        strategy, why = yield from self.choose(session, changes)
+        report = yield from strategy.apply(session, changes)
         reason = why if report.reason is None else f"{why}; {report.reason}"
         return EditReport(report.strategy, report.fields, report.reused, report.computed, report.stale, report.seconds,
                           requested=self.name, reason=reason)

@@ -1,4 +1,5 @@
-"""The edit-strategy contract: how a field's new value reaches the KV cache (source paper A, DESIGN.md)."""
+"""The edit-strategy contract: how a field's new value reaches the KV cache (\"Models Take Notes at Prefill: KV Cache
+Can Be Editable and Composable\", https://arxiv.org/abs/2606.17107)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequenc
 
 if TYPE_CHECKING:
     from kvagent.kv.sync import PrefillReport
+    from kvagent.kv.work import Work
     from kvagent.segments import Rendered, Segment, Span
 
 
 class EditTarget(Protocol):
-    """What an edit strategy calls on a session (``kvagent.session.Session`` implements it)."""
+    """What an edit strategy calls on a session (``kvagent.session.Session`` implements it): units of work
+    (``kvagent.kv.work``) a strategy runs with ``yield from``, so an edit yields to the scheduler as a decode does."""
 
     @property
     def segments(self) -> tuple[Segment, ...]: ...
@@ -20,12 +23,12 @@ class EditTarget(Protocol):
     def stale_positions(self) -> frozenset[int]: ...
     model_fingerprint: str
 
-    def extend(self, *segments: Segment) -> PrefillReport: ...
-    def replace(self, segments: Sequence[Segment]) -> PrefillReport: ...
-    def splice_field(
+    def extend_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]: ...
+    def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]: ...
+    def splice_field_work(
         self, name: str, value: object, refresh: Callable[[Rendered, Span], Iterable[int]] | None = None
-    ) -> PrefillReport: ...
-    def splice_refusal(self, name: str, value: object) -> str | None: ...
+    ) -> Work[PrefillReport]: ...
+    def splice_refusal_work(self, name: str, value: object) -> Work[str | None]: ...
     @property
     def prompt_format(self) -> str: ...
 
@@ -55,8 +58,9 @@ class EditStrategy(ABC):
     name: str = ""
 
     @abstractmethod
-    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
-        """Apply already-validated ``changes`` (field name -> value) to ``session``'s prompt and KV."""
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> Work[EditReport]:
+        """Apply already-validated ``changes`` (field name -> value) to ``session``'s prompt and KV: a unit of
+        work (a generator over the session's ``*_work`` verbs) that returns the report."""
 
     def _report(self, session: EditTarget, changes: Mapping[str, object], reused: int, computed: int, seconds: float,
                 ran: str | None = None, reason: str | None = None) -> EditReport:

@@ -21,6 +21,7 @@ from kvagent.edits.field_only import FieldOnly
 
 if TYPE_CHECKING:
     from kvagent.edits.base import EditTarget
+    from kvagent.kv.work import Work
 
 
 @dataclass
@@ -31,9 +32,9 @@ class Combined(EditStrategy):
     erratum: Erratum = field(default_factory=Erratum)
     name: str = "combined"
 
-    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
-        spliced = self.splice.apply(session, changes)
-        appended = self.erratum.apply(session, changes)
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> Work[EditReport]:
+        spliced = yield from self.splice.apply(session, changes)
+        appended = yield from self.erratum.apply(session, changes)
         computed, seconds = spliced.computed + appended.computed, spliced.seconds + appended.seconds
         # reused: the positions the splice kept (stale included); the erratum reuses everything before it
         if spliced.strategy == "recompute":  # the splice could not be exact: say so (issue 14, no silent fallback)

@@ -31,6 +31,7 @@ from kvagent.segments import DEFAULT_ERRATUM_TEMPLATE, DEFAULT_FIELD_TEMPLATE, S
 
 if TYPE_CHECKING:
     from kvagent.edits.base import EditTarget
+    from kvagent.kv.work import Work
 
 CORRECTION_TEMPLATE = "Correction: {name} is now {value}."
 TAGGED_TEMPLATE = "<update>{name}={value}</update>"
@@ -73,6 +74,6 @@ class Erratum(EditStrategy):
         return Segment.erratum(name, value, template=template or RENDERINGS[self.rendering] or DEFAULT_ERRATUM_TEMPLATE,
                                role=role)
 
-    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
-        report = session.extend(*(self.line(session, name, value) for name, value in changes.items()))
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> Work[EditReport]:
+        report = yield from session.extend_work([self.line(session, name, value) for name, value in changes.items()])
         return self._report(session, changes, report.reused, report.computed, report.seconds)

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 from kvagent.edits.base import EditReport, EditStrategy
 
 if TYPE_CHECKING:
-    from kvagent.segments import Rendered, Span
     from kvagent.edits.base import EditTarget
+    from kvagent.kv.work import Work
+    from kvagent.segments import Rendered, Span
 
 Refresh = Callable[["Rendered", "Span"], Iterable[int]]
 
@@ -24,13 +25,13 @@ Refresh = Callable[["Rendered", "Span"], Iterable[int]]
 class FieldOnly(EditStrategy):
     name: str = "field_only"
 
-    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> Work[EditReport]:
         reused = computed = 0
         seconds = 0.0
         refresh, note = self.refresh(session), self.uncalibrated(session)
         reasons: list[str] = []
         for field, value in changes.items():  # one field at a time: each splice re-reads the spans
-            r = session.splice_field(field, value, refresh)
+            r = yield from session.splice_field_work(field, value, refresh)
             reused, computed, seconds = r.reused, computed + r.computed, seconds + r.seconds
             if r.recomputed_because:
                 reasons.append(f"{field}: {r.recomputed_because}")

@@ -14,17 +14,18 @@ from kvagent.segments import SegmentKind
 
 if TYPE_CHECKING:
     from kvagent.edits.base import EditTarget
+    from kvagent.kv.work import Work
 
 
 @dataclass
 class Recompute(EditStrategy):
     name: str = "recompute"
 
-    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> EditReport:
+    def apply(self, session: EditTarget, changes: Mapping[str, object]) -> Work[EditReport]:
         segments = [
             seg.with_value(changes[str(seg.name)]) if seg.kind is SegmentKind.FIELD and seg.name in changes else seg
             for seg in session.segments
             if not (seg.kind is SegmentKind.ERRATUM and seg.name in changes)
         ]
-        report = session.replace(segments)
+        report = yield from session.replace_work(segments)
         return self._report(session, changes, report.reused, report.computed, report.seconds)

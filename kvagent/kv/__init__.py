@@ -1,6 +1,6 @@
 """The KV layer: sequences of one backend and the operations that change what they cache.
 
-- ``steps``: what runtime work yields to the scheduler (pauses, batched decode steps).
+- ``work``: what runtime work yields to the scheduler (pauses, batched decode steps).
 - ``prefix``: the radix index of shareable cached prefixes.
 - ``pool``: sequence ids, scratch sequences, the index and the record of shared cells.
 - ``sequence``: one sequence's cached tokens, logits, stale / evicted positions and their invariants.
@@ -13,7 +13,7 @@ from kvagent.kv.plan import Run, plan_runs
 from kvagent.kv.pool import SequencePool
 from kvagent.kv.prefix import PrefixIndex
 from kvagent.kv.sequence import CachedSequence
-from kvagent.kv.steps import PAUSE, DecodeStep, Work, drive
+from kvagent.kv.work import PAUSE, DecodeStep, Work, drive
 from kvagent.kv.sync import PrefillReport
 
 __all__ = [

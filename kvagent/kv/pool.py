@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from kvagent.backends.base import Backend
 from kvagent.errors import KVAgentError
@@ -78,6 +78,14 @@ class SequencePool:
                 yield seq
             finally:
                 self.release(seq)
+
+    def prefill_saved(self, tokens: Sequence[int]) -> bytes:
+        """``tokens`` decoded at positions ``0..n-1`` in a scratch sequence, saved (``seq_save``): a compiled
+        skill's blob payload."""
+        with self.lock, self.scratch() as seq:
+            n = len(tokens)
+            self.backend.decode(tokens, range(n), [seq] * n, [False] * n)
+            return self.backend.seq_save(seq)
 
     # -- shared cells -----------------------------------------------------------------------------
     def share(self, src: int, dst: int, p0: int, p1: int) -> None:

@@ -6,8 +6,13 @@ next-token logits after the last position, or None when unknown. ``stale`` posit
 before an upstream edit (field-only / selective splices). ``floor``: on sliding-window models whose backend
 drops cells behind the window (``Capabilities.swa_keeps_all`` false: llama.cpp without kvagent's patch) a
 restored or transplanted cache lacks the SWA cells outside the window, so the cache may not be cut below ``floor``
-and extended again (a cut below it recomputes from 0). Every change of those fields goes through this
-class, which also keeps the pool's prefix index and shared-cell record in step.
+and extended again (a cut below it recomputes from 0).
+
+This class is the one owner of those fields: they are read-only properties, and every change goes through
+one of its verbs (``cut``, ``share_prefix``, ``decode_run``, ``extend_decoded``, ``place_transplant``,
+``redecode_last``, ``commit``, ``adopt_recompute``, ``mark_stale``, ``append``, ``restore``), which also
+keep the pool's prefix index and shared-cell record in step. Only these verbs call the backend on the
+sequence; scratch sequences lent by ``SequencePool.scratch`` belong to whoever borrowed them.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from kvagent.errors import KVAgentError
 from kvagent.kv.pool import SequencePool
-from kvagent.kv.steps import PAUSE, Work
+from kvagent.kv.work import PAUSE, Work
 from kvagent.segments import Rendered
 
 if TYPE_CHECKING:
+    from kvagent.backends.base import Backend
     from kvagent.eviction import CycleReport, Evictor
 
 log = logging.getLogger(__name__)
@@ -36,54 +43,74 @@ class CachedSequence:
         self.seq = seq
         self.evictor = evictor
         self.chunk = max(1, chunk)
-        self.tokens: tuple[int, ...] = ()
-        self.logits: np.ndarray | None = None
-        self.stale: frozenset[int] = frozenset()
-        self.evicted: frozenset[int] = frozenset()
-        self.floor = 0
+        # what decodes this sequence's tokens: the evictor records hidden states on the way (same signature)
+        self._decoder: Backend | Evictor = evictor if evictor is not None else pool.backend
+        self._tokens: tuple[int, ...] = ()
+        self._logits: np.ndarray | None = None
+        self._stale: frozenset[int] = frozenset()
+        self._evicted: frozenset[int] = frozenset()
+        self._floor = 0
 
     # -- reading ----------------------------------------------------------------------------------
+    tokens = property(lambda self: self._tokens, doc="Token ids of positions 0..len-1 (evicted ones included).")
+    logits = property(lambda self: self._logits, doc="Next-token logits ``[n_vocab]`` after the last position, or None.")
+    stale = property(lambda self: self._stale, doc="Positions whose KV predates an upstream splice.")
+    evicted = property(lambda self: self._evicted, doc="Positions an eviction cycle removed.")
+    floor = property(lambda self: self._floor, doc="The cache may not be cut below this and extended (0: anywhere).")
+
     @property
     def cells(self) -> int:
-        return len(self.tokens) - len(self.evicted)
+        return len(self._tokens) - len(self._evicted)
 
     @property
     def cached_positions(self) -> tuple[int, ...]:
-        return tuple(p for p in range(len(self.tokens)) if p not in self.evicted)
+        return tuple(p for p in range(len(self._tokens)) if p not in self._evicted)
 
     @property
     def clean_prefix(self) -> int:
         """Length of the prefix other sequences may share: no stale or evicted cell, no missing window."""
-        if self.floor:
+        if self._floor:
             return 0
-        dirty = self.stale | self.evicted
-        return min(dirty) if dirty else len(self.tokens)
+        dirty = self._stale | self._evicted
+        return min(dirty) if dirty else len(self._tokens)
 
     @property
     def batchable(self) -> bool:
         """Whether this sequence's decode steps may share a batch (not when eviction records hidden states)."""
         return self.evictor is None or not self.evictor.policy.needs_hidden
 
-    # -- changing ---------------------------------------------------------------------------------
+    # -- cutting and sharing ----------------------------------------------------------------------
     def cut(self, position: int) -> None:
         """Remove every cell from ``position`` on, and what was recorded about them."""
         self.backend.seq_rm(self.seq, position, -1)
         self.pool.cut(self.seq, position)
-        self.tokens, self.logits = self.tokens[:position], None
-        self.stale = frozenset(p for p in self.stale if p < position)
-        if self.evicted:
-            self.evicted = frozenset(p for p in self.evicted if p < position)
+        self._tokens, self._logits = self._tokens[:position], None
+        self._stale = frozenset(p for p in self._stale if p < position)
+        if self._evicted:
+            self._evicted = frozenset(p for p in self._evicted if p < position)
         if position == 0:
-            self.floor = 0
+            self._floor = 0
         if self.evictor is not None:
             self.evictor.forget_from(position)
         if len(self.pool.index.indexed(self.seq)) > position:
-            self.pool.index.insert(self.seq, self.tokens[: self.clean_prefix])
+            self.pool.index.insert(self.seq, self._tokens[: self.clean_prefix])
 
-    def share_from(self, src: int, upto: int) -> None:
-        """Take ``src``'s cells for positions ``len(tokens)..upto-1`` (shared, not copied); tokens must agree."""
-        self.pool.share(src, self.seq, len(self.tokens), upto)
+    def share_prefix(self, src: int, tokens: Sequence[int]) -> None:
+        """Hold ``tokens`` by taking ``src``'s cells for positions ``len(self.tokens)..len(tokens)-1`` (shared, not
+        copied). ``src`` must hold exactly those tokens there, and ``tokens`` must extend ``self.tokens``."""
+        self.pool.share(src, self.seq, len(self._tokens), len(tokens))
+        self._tokens, self._logits = tuple(tokens), None
 
+    def adopt_recompute(self, src: int, start: int, logits: np.ndarray) -> None:
+        """Replace the cells from ``start`` on by ``src``'s (a recompute of the same tokens in a scratch sequence,
+        which holds every position): they are shared, and ``logits`` are the recompute's."""
+        self.backend.seq_rm(self.seq, start, -1)
+        self.pool.cut(self.seq, start)
+        self.pool.share(src, self.seq, start, len(self._tokens))
+        self._stale = frozenset(p for p in self._stale if p < start)
+        self._logits = logits
+
+    # -- decoding ---------------------------------------------------------------------------------
     def decode_run(self, tokens: Sequence[int], first: int, end: int, rendered: Rendered) -> Work[np.ndarray]:
         """Decode ``tokens[first:end]`` at their positions, pausing every ``chunk`` tokens.
 
@@ -101,29 +128,86 @@ class CachedSequence:
                 e = min(e, s + ev.chunk, s + max(ev.budget + ev.chunk - self.cells, 1))
             outputs = [False] * (e - s - 1) + [want_last and e == end]
             logits = self._decode(tokens[s:e], range(s, e), outputs)
-            self.tokens = tuple(tokens[:e])
+            self._tokens, self._logits = tuple(tokens[:e]), None
             self.maybe_cycle(rendered)
             s = e
             if s < end:
                 yield PAUSE
         return logits
 
-    def _decode(self, tokens: Sequence[int], positions: Sequence[int], outputs: Sequence[bool]) -> np.ndarray:
-        if self.evictor is not None:
-            return self.evictor.decode(tokens, positions, self.seq, outputs)
-        return self.backend.decode(tokens, positions, [self.seq] * len(tokens), outputs)
+    def extend_decoded(self, tokens: Sequence[int]) -> None:
+        """Decode ``tokens[len(self.tokens):]`` at their positions in one call, without logits, pauses or an
+        eviction cycle (a splice rebuilding the sequence left to right while it holds a scratch)."""
+        first = len(self._tokens)
+        self._decode(tokens[first:], range(first, len(tokens)), [False] * (len(tokens) - first))
+        self._tokens, self._logits = tuple(tokens), None
+
+    def redecode_last(self) -> np.ndarray:
+        """Decode the last position again, for its logits (a prompt that ends inside a transplanted skill:
+        the copied cells come without logits); returns them ``[n_vocab]``."""
+        last = len(self._tokens) - 1
+        self.backend.seq_rm(self.seq, last, -1)
+        self._logits = self._decode([self._tokens[last]], [last], [True])[0]
+        return self._logits
 
     def decode_token(self, token: int, rendered: Rendered) -> np.ndarray:
         """Decode one token at the next position alone (sequences that cannot share a batch)."""
-        logits = self._decode([token], [len(self.tokens)], [True])[0]
+        logits = self._decode([token], [len(self._tokens)], [True])[0]
         self.append(token, logits, rendered)
         return logits
 
     def append(self, token: int, logits: np.ndarray, rendered: Rendered) -> None:
         """Record ``token`` as decoded at the next position with its ``logits`` (``[n_vocab]``)."""
-        self.tokens = (*self.tokens, token)
-        self.logits = logits
+        self._tokens = (*self._tokens, token)
+        self._logits = logits
         self.maybe_cycle(rendered)
+
+    def _decode(self, tokens: Sequence[int], positions: Sequence[int], outputs: Sequence[bool]) -> np.ndarray:
+        return self._decoder.decode(tokens, positions, [self.seq] * len(tokens), outputs)
+
+    # -- transplants ------------------------------------------------------------------------------
+    def place_transplant(self, payload: bytes, tokens: Sequence[int], n_sink: int, seam: int, rendered: Rendered) -> tuple[int, int]:
+        """Append a compiled skill: its saved sequence ``payload`` holds ``n_sink`` sink tokens then ``tokens``.
+
+        The first ``seam`` tokens are decoded fresh in context (seam repair); the saved sequence is restored
+        into a scratch sequence (its own cells), the sink and seam cells are removed, the rest is shifted by
+        the RoPE re-rotation ``position - n_sink`` and shared into this sequence. Returns (tokens decoded
+        fresh, cells copied). An eviction cycle may run after it.
+        """
+        position, length = len(self._tokens), len(tokens)
+        seam = min(seam, length)
+        full = (*self._tokens, *tokens)
+        if seam:
+            self.extend_decoded(full[: position + seam])
+        if seam < length:
+            backend = self.backend
+            with self.pool.scratch() as scratch:
+                backend.seq_restore(scratch, payload)
+                backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's cell never travels
+                backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
+                self.pool.share(scratch, self.seq, position + seam, position + length)
+        if not self.backend.capabilities.swa_keeps_all and length - seam + n_sink > self.backend.n_swa:
+            self._floor = max(self._floor, position + length)  # unpatched llama.cpp: the middle SWA cells did not travel
+        self._tokens, self._logits = full, None
+        self.maybe_cycle(rendered)
+        return seam, length - seam
+
+    # -- settling ---------------------------------------------------------------------------------
+    def commit(self, tokens: Sequence[int], logits: np.ndarray) -> None:
+        """The sequence is at rest after a sync: it holds ``tokens`` (what its runs decoded, shared and
+        transplanted) and ``logits`` follow the last one. Publishes the clean prefix for other sessions."""
+        if tuple(tokens) != self._tokens:
+            raise KVAgentError(f"sequence {self.seq} holds {len(self._tokens)} tokens that differ from the "
+                               f"{len(tokens)} committed (internal error)")
+        self._logits = logits
+        self.publish()
+
+    def mark_stale(self, tokens: Sequence[int], kept: frozenset[int]) -> None:
+        """After a splice: the sequence holds ``tokens``, whose positions ``kept`` kept KV computed before the
+        edit (stale); logits are unknown until the next sync."""
+        self._tokens, self._logits = tuple(tokens), None
+        self._stale = self._stale | kept
+        self.publish()
 
     def maybe_cycle(self, rendered: Rendered) -> CycleReport | None:
         """Run an eviction cycle when one is due; pinned spans of ``rendered`` are never evicted, and spans of a
@@ -134,20 +218,20 @@ class CachedSequence:
         pinned_at = {p for span in rendered.spans if span.pinned for p in range(span.first, span.last + 1)}
         priority_at = {p: span.priority for span in rendered.spans if span.priority for p in range(span.first, span.last + 1)}
         positions = self.cached_positions
-        report = ev.cycle(self.seq, [self.tokens[p] for p in positions], positions, [p in pinned_at for p in positions],
+        report = ev.cycle(self.seq, [self._tokens[p] for p in positions], positions, [p in pinned_at for p in positions],
                           [priority_at.get(p, 0) for p in positions] if priority_at else None)
-        self.evicted = self.evicted | frozenset(report.evicted)
+        self._evicted = self._evicted | frozenset(report.evicted)
         self.publish()
         return report
 
     def publish(self) -> None:
         """Index this sequence's clean prefix so other sessions can start from it."""
-        self.pool.index.insert(self.seq, self.tokens[: self.clean_prefix])
+        self.pool.index.insert(self.seq, self._tokens[: self.clean_prefix])
 
     def resync_from_backend(self, tokens: Sequence[int]) -> None:
         """After a failed decode: record exactly the prefix of ``tokens`` the backend now holds."""
         _, pos_max = self.backend.seq_pos_range(self.seq)
-        self.tokens, self.logits = tuple(tokens[: pos_max + 1]), None
+        self._tokens, self._logits = tuple(tokens[: pos_max + 1]), None
         self.publish()
 
     # -- save / restore ---------------------------------------------------------------------------
@@ -162,13 +246,14 @@ class CachedSequence:
         try:
             self.backend.seq_restore(self.seq, payload)
         except Exception:  # llama.cpp empties the sequence before it refuses: record that
-            self.tokens, self.logits, self.evicted, self.stale, self.floor = (), None, frozenset(), frozenset(), 0
+            self._tokens, self._logits, self._evicted, self._stale, self._floor = (), None, frozenset(), frozenset(), 0
             self.publish()
             raise
-        self.tokens, self.logits = tokens, logits
-        self.evicted, self.stale = frozenset(evicted), frozenset()
+        self._tokens, self._logits = tokens, logits
+        self._evicted, self._stale = frozenset(evicted), frozenset()
         if self.evictor is not None:
             self.evictor.forget_from(0)  # restored cells come without captured hidden states
         keeps_all = self.backend.capabilities.swa_keeps_all  # always true without sliding-window layers
-        self.floor = len(tokens) if not keeps_all and len(tokens) > self.backend.n_swa else 0
+        self._floor = len(tokens) if not keeps_all and len(tokens) > self.backend.n_swa else 0
         self.publish()
+

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.kv.sequence import CachedSequence
-from kvagent.kv.steps import Work
+from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport
 from kvagent.segments import Rendered, Span
 
@@ -67,7 +67,7 @@ def splice_field(state: CachedSequence, old: Rendered, new: Rendered, index: int
         if last + 1 < n_old:
             if delta != 0 and pool.shares_beyond(seq, last + 1):
                 # a shift moves every sharer of a cell: give the parked run its own cells first
-                backend.seq_restore(park, backend.seq_save(seq))
+                backend.seq_restore(park, state.save())
                 backend.seq_rm(park, 0, last + 1)
             else:  # park the run by sharing its cells (no copy)
                 pool.share(seq, park, last + 1, n_old)
@@ -83,19 +83,15 @@ def splice_field(state: CachedSequence, old: Rendered, new: Rendered, index: int
                 while end < n_new and (end in fresh) == run_fresh:
                     end += 1
                 if run_fresh:
-                    n = end - pos
-                    backend.decode(new.tokens[pos:end], range(pos, end), [seq] * n, [False] * n)
-                    computed += n
+                    state.extend_decoded(new.tokens[:end])
+                    computed += end - pos
                 else:
-                    pool.share(park, seq, pos, end)
-                state.tokens = new.tokens[:end]
+                    state.share_prefix(park, new.tokens[:end])
                 pos = end
         except KVAgentError:
             state.cut(first)  # the prompt holds the new value; its KV from the field on is recomputed later
             raise
     kept = frozenset(p for p in range(last + delta + 1, n_new) if p not in fresh)
-    state.tokens, state.logits = new.tokens, None
-    state.stale = state.stale | kept
-    state.publish()
+    state.mark_stale(new.tokens, kept)
     return PrefillReport(reused=first + len(kept), computed=computed, seconds=time.perf_counter() - start)
     yield  # pragma: no cover - a unit of work like the others, though it never pauses (it holds a scratch)

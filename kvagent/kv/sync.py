@@ -2,8 +2,8 @@
 
 The longest prefix already cached (in this sequence, or shared from another through the pool's prefix
 index) is kept; the rest is cut and rebuilt left to right from the plan (``kv.plan``): decoded runs, and
-compiled skills transplanted by RoPE re-rotation (source paper A, "Models take notes during prefill",
-DESIGN.md). Skill blobs are fetched and checked before the cache changes. The work pauses between
+compiled skills transplanted by RoPE re-rotation ("Models Take Notes at Prefill: KV Cache Can Be Editable
+and Composable", https://arxiv.org/abs/2606.17107). Skill blobs are fetched and checked before the cache changes. The work pauses between
 chunks so a scheduler can interleave other sessions.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.kv.plan import Run, plan_runs
 from kvagent.kv.sequence import CachedSequence
-from kvagent.kv.steps import Work
+from kvagent.kv.work import Work
 from kvagent.segments import Rendered, SegmentKind, common_prefix
 
 if TYPE_CHECKING:
@@ -85,39 +85,30 @@ def sync(
     state.cut(keep)
     gained = 0
     if shared > keep:  # share the other session's cells for the positions we lack
-        state.share_from(shared_seq, shared)
-        state.tokens = new[:shared]
+        state.share_prefix(shared_seq, new[:shared])
         gained, keep = shared - keep, shared
     computed = transplanted = 0
     logits = None
-    library = skills
     try:
         for run in runs:
-            if run.skill is not None and library is not None:
-                fresh, copied = library.transplant(state.seq, run.skill, run.first)
+            if run.skill is not None and skills is not None:
+                fresh, copied = skills.transplant(state, run.skill, rendered)
                 computed, transplanted = computed + fresh, transplanted + copied
-                if not backend.capabilities.swa_keeps_all and copied + run.skill.n_sink > backend.n_swa:
-                    # unpatched llama.cpp: its middle SWA cells did not travel
-                    state.floor = max(state.floor, run.end)
-                state.tokens = new[: run.end]
-                state.maybe_cycle(rendered)
             else:
                 logits = yield from state.decode_run(new, run.first, run.end, rendered)
                 computed += run.length
         if runs[-1].skill is not None:  # the prompt ends inside a skill: decode its last token again
-            backend.seq_rm(state.seq, len(new) - 1, -1)
-            logits = backend.decode([new[-1]], [len(new) - 1], [state.seq], [True])
+            logits = state.redecode_last()[None, :]
             transplanted, computed = transplanted - 1, computed + 1
     except KVAgentError:
         state.resync_from_backend(new)  # some chunks may have landed: record exactly what is there
         raise
     if logits is None or len(logits) == 0:  # pragma: no cover - every plan ends with a decode
         raise KVAgentError("sync produced no logits (internal error)")
-    state.tokens, state.logits = new, logits[-1]
+    state.commit(new, logits[-1])
     fidelity_cos, fell_back = None, False
     if transplanted and fidelity is not None and fidelity.sampled():
         fidelity_cos, fell_back = _guard(state, fidelity, new, start_at)
-    state.publish()
     log.debug("seq %d sync: reused %d (shared %d), computed %d, transplanted %d", state.seq, keep, gained, computed, transplanted)
     return PrefillReport(keep, computed, time.perf_counter() - start, gained, transplanted, fidelity_cos, fell_back)
 
@@ -170,8 +161,5 @@ def _guard(state: CachedSequence, guard: FidelityGuard, tokens: tuple[int, ...],
         if cos >= guard.threshold:
             return cos, False
         log.warning("transplant fidelity %.4f < %.4f on sequence %d: using the recomputed KV", cos, guard.threshold, state.seq)
-        backend.seq_rm(state.seq, start, -1)
-        state.pool.cut(state.seq, start)
-        state.pool.share(scratch, state.seq, start, n)
-        state.logits = reference
+        state.adopt_recompute(scratch, start, reference)
         return cos, True

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from kvagent.errors import ContextOverflowError
 from kvagent.kv.pool import SequencePool
+from kvagent.kv.sequence import CachedSequence
 from kvagent.kvblob import KVBlob
-from kvagent.segments import Renderer, Segment
+from kvagent.segments import Rendered, Renderer, Segment
 from kvagent.skills.spec import SkillSpec
 from kvagent.skills.store import SkillStore, StoredSkill, skill_key
 
@@ -81,9 +82,7 @@ class SkillLibrary:
         full = (*sink, *tokens)
         if len(full) > backend.n_ctx:
             raise ContextOverflowError(f"skill {spec.name!r} has {len(tokens)} tokens, more than the context of {backend.n_ctx}")
-        with self._pool.lock, self._pool.scratch() as scratch:
-            backend.decode(full, range(len(full)), [scratch] * len(full), [False] * len(full))
-            payload = backend.seq_save(scratch)
+        payload = self._pool.prefill_saved(full)
         entry = self.store.put(key, KVBlob(self.fingerprint, backend.format, full, payload), name=spec.name,
                                version=spec.version, model=self.model_name, n_tokens=len(tokens), seam=spec.seam)
         log.info("compiled skill %s: %d tokens, %d bytes", spec.name, len(tokens), entry.bytes)
@@ -119,22 +118,12 @@ class SkillLibrary:
         """The checked blob of ``skill`` (LRU, else disk); ``SkillStoreError`` if missing or refused."""
         return self.store.get(skill.key, fingerprint=self.fingerprint, backend_format=self._pool.backend.format, name=skill.name)
 
-    def transplant(self, seq: int, skill: CompiledSkill, position: int) -> tuple[int, int]:
-        """Place ``skill`` at ``position`` of ``seq`` (whose last position is ``position - 1``).
+    def transplant(self, sequence: CachedSequence, skill: CompiledSkill, rendered: Rendered) -> tuple[int, int]:
+        """Append ``skill`` to ``sequence`` (``CachedSequence.place_transplant``; ``rendered`` is the prompt it
+        belongs to, for an eviction cycle after it).
 
         Returns (tokens decoded fresh, cells copied). Raises ``SkillStoreError`` for a missing, corrupt
         or foreign blob before anything changes.
         """
-        backend = self._pool.backend
         blob = self.fetch(skill)
-        n_sink, length = skill.n_sink, len(skill.tokens)
-        seam = min(skill.seam, length)
-        if seam:
-            backend.decode(skill.tokens[:seam], range(position, position + seam), [seq] * seam, [False] * seam)
-        if seam < length:
-            with self._pool.scratch() as scratch:
-                backend.seq_restore(scratch, blob.payload)
-                backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's cell never travels
-                backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
-                backend.seq_cp(scratch, seq, position + seam, position + length)
-        return seam, length - seam
+        return sequence.place_transplant(blob.payload, skill.tokens, skill.n_sink, skill.seam, rendered)

@@ -487,9 +487,9 @@ def test_the_evictor_keeps_the_query_state_of_an_evicted_predecessor() -> None:
     backend = DecodingBackend(capture=capture)  # type: ignore[arg-type]
     policy = Recording()
     ev = Evictor(Eviction(policy, budget=6, chunk=4), backend, Path("m.gguf"))  # type: ignore[arg-type]
-    ev.decode(list(range(100, 110)), list(range(10)), 0, [False] * 10)
+    ev.decode(list(range(100, 110)), list(range(10)), [0] * 10, [False] * 10)
     ev.cycle(0, list(range(100, 110)), list(range(10)), [p in (2,) for p in range(10)])  # keeps 2, 5..9
-    ev.decode([110, 111], [10, 11], 0, [False, True])
+    ev.decode([110, 111], [10, 11], [0, 0], [False, True])
     cells = [2, 5, 6, 7, 8, 9, 10, 11]
     ev.cycle(0, [100 + p for p in cells], cells, [False] * len(cells))
     v = policy.views[-1]

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from kvagent.edits import STRATEGIES, Erratum, FieldOnly, Recompute, Selective, get_strategy
 from kvagent.edits.selective import OffsetRanker
 from kvagent.errors import FieldValueError, KVAgentError
+from kvagent.kv.work import drive
 from kvagent.fields import FieldSpec
 from kvagent.segments import Rendered, SegmentKind, Span
 
@@ -121,24 +122,29 @@ class FakeTarget:
 
         return PrefillReport(reused=10, computed=computed, seconds=0.01, recomputed_because=because)
 
-    def extend(self, *segments):  # type: ignore[no-untyped-def]
+    # units of work, as the session's (kvagent.kv.work): they pause once, so a strategy must ``yield from`` them
+    def extend_work(self, segments):  # type: ignore[no-untyped-def]
+        yield
         self.calls.append("extend")
         self._segments += segments
         return self._report(len(segments) * 7)
 
-    def replace(self, segments):  # type: ignore[no-untyped-def]
+    def replace_work(self, segments):  # type: ignore[no-untyped-def]
+        yield
         self.calls.append("replace")
         self._segments = list(segments)
         return self._report(20)
 
-    def splice_field(self, name, value, refresh=None):  # type: ignore[no-untyped-def]
+    def splice_field_work(self, name, value, refresh=None):  # type: ignore[no-untyped-def]
+        yield
         self.calls.append(f"splice {name}={value}")
         return self._report(3, self.splice_because)
 
     prompt_format = "plain"
     refusal: str | None = None  # what splice_refusal answers
 
-    def splice_refusal(self, name, value):  # type: ignore[no-untyped-def]
+    def splice_refusal_work(self, name, value):  # type: ignore[no-untyped-def]
+        yield
         self.calls.append(f"refusal {name}")
         return self.refusal
 
@@ -148,7 +154,7 @@ def test_combined_splices_then_appends_and_names_a_fallback(because: str | None,
     from kvagent.edits import Combined
 
     target = FakeTarget(because)
-    report = get_strategy("combined").apply(target, {"status": "b"})  # type: ignore[arg-type]
+    report = drive(get_strategy("combined").apply(target, {"status": "b"}))  # type: ignore[arg-type]
     assert isinstance(get_strategy("combined"), Combined)
     assert target.calls == ["splice status=b", "extend"] and target.segments[-1].kind is SegmentKind.ERRATUM
     assert (report.strategy, report.requested, report.computed) == (ran, "combined", 3 + 7)
@@ -181,7 +187,7 @@ def test_erratum_renderings(rendering: str, field_role: str, expected: str) -> N
 
     target = FakeTarget()
     target._segments[1] = dataclasses.replace(target._segments[1], role=field_role)
-    report = Erratum(rendering=rendering).apply(target, {"status": "b"})  # type: ignore[arg-type]
+    report = drive(Erratum(rendering=rendering).apply(target, {"status": "b"}))  # type: ignore[arg-type]
     last = target.segments[-1]
     assert report.strategy == "erratum" and (last.kind, last.name, last.value) == (SegmentKind.ERRATUM, "status", "b")
     assert _rendered_erratum(target) == expected
@@ -189,11 +195,11 @@ def test_erratum_renderings(rendering: str, field_role: str, expected: str) -> N
 
 def test_erratum_default_is_the_system_state_update_and_templates_override_the_line() -> None:
     target = FakeTarget()
-    Erratum().apply(target, {"status": "b"})  # type: ignore[arg-type]
+    drive(Erratum().apply(target, {"status": "b"}))  # type: ignore[arg-type]
     assert _rendered_erratum(target) == "<system>[STATE UPDATE] status -> b; overrides any previous value</system>"
-    Erratum(template="U {name}={value}", rendering="user").apply(target, {"status": "c"})  # type: ignore[arg-type]
+    drive(Erratum(template="U {name}={value}", rendering="user").apply(target, {"status": "c"}))  # type: ignore[arg-type]
     assert _rendered_erratum(target) == "<user>U status=c</user>"
-    Erratum(per_field={"status": "now {value}"}, rendering="tagged").apply(target, {"status": "d"})  # type: ignore[arg-type]
+    drive(Erratum(per_field={"status": "now {value}"}, rendering="tagged").apply(target, {"status": "d"}))  # type: ignore[arg-type]
     assert _rendered_erratum(target) == "<system>now d</system>"
     with pytest.raises(KVAgentError, match="unknown erratum rendering 'shout': use one of system, user, record"):
         Erratum(rendering="shout")
@@ -271,7 +277,7 @@ def test_a_borrowed_choice_says_so(tmp_path) -> None:  # type: ignore[no-untyped
 
     target = FakeTarget()
     target.refusal, target.prompt_format = None, "plain"
-    report = Auto(table=_table(tmp_path, _entry("field_only", 0, borrowed_from="chat"))).apply(target, {"status": "b"})  # type: ignore[arg-type]
+    report = drive(Auto(table=_table(tmp_path, _entry("field_only", 0, borrowed_from="chat"))).apply(target, {"status": "b"}))  # type: ignore[arg-type]
     assert report.strategy == "field_only" and report.reason is not None
     assert "held on the calibration for tiny (chat; the plain format gave too few flips" in report.reason
 
@@ -306,7 +312,7 @@ def test_auto_chooses_from_the_table_and_says_why(tmp_path, entry, refusal, fmt,
 
     target = FakeTarget()
     target.refusal, target.prompt_format = refusal, fmt
-    report = Auto(table=_table(tmp_path, entry)).apply(target, {"status": "b"})  # type: ignore[arg-type]
+    report = drive(Auto(table=_table(tmp_path, entry)).apply(target, {"status": "b"}))  # type: ignore[arg-type]
     assert (report.strategy, report.requested) == (ran, "auto")
     assert report.reason is not None and report.reason.startswith("auto: ") and why in report.reason, report.reason
     if ran == "erratum":

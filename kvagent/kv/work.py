@@ -31,14 +31,18 @@ T = TypeVar("T")
 Work = Generator[Step, Any, T]
 
 
-def drive(work: Work[T], backend: Backend) -> T:
-    """Run ``work`` to completion on its own, decoding each :class:`DecodeStep` alone."""
+def drive(work: Work[T], backend: Backend | None = None) -> T:
+    """Run ``work`` to completion on its own, decoding each :class:`DecodeStep` alone on ``backend`` (work that
+    decodes nothing, such as an edit strategy on a test double, needs none)."""
     value: Any = None
     try:
         while True:
             step = work.send(value)
             value = None
             if step is not None:
+                if backend is None:
+                    work.close()
+                    raise TypeError("drive(): the work asked for a decode step and no backend was given")
                 value = backend.decode([step.token], [step.position], [step.seq], [True])[0]
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
