@@ -7,7 +7,7 @@ prompt. The memory is longer than the agent's eviction budget: kvagent keeps at 
 (``Eviction("window")``: the pinned policy, skill and fields plus the most recent tokens; it needs no
 activation capture, so the demo needs no torch and its session stays in the shared decode batch), where the
 baseline keeps every token. Per turn both report the prompt tokens they computed, the time to the first
-token and the answer. The baseline (``kvagent.backends.llama_cpp.BaselineChat``) renders the same messages
+token and the answer. The baseline (the backend registry's ``baseline_chat``: llama-cpp-python's chat API) renders the same messages
 with the model's own chat template, so both see the same conversation.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kvagent.backends.registry import baseline_chat
 from kvagent.engine import Engine
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
@@ -88,14 +89,12 @@ def _system_messages(values: dict[str, object], skill: SkillSpec) -> list[dict[s
 def run_demo(engine: Engine, max_tokens: int = 40, on_turn: Callable[[DemoTurn], None] | None = None,
              baseline_n_ctx: int = 4096) -> list[DemoTurn]:
     """Run :data:`SCRIPT` on ``engine`` and on llama-cpp-python's chat API; one :class:`DemoTurn` per turn."""
-    from kvagent.backends.llama_cpp import BaselineChat  # the one module that imports llama_cpp
-
     skill = load_skill(SKILL)
     renderer = engine.renderer(True)
     engine.skills.compile(skill, renderer)  # once per model, ever: later runs find it in the store
     segments = [Segment.policy(POLICY), skill.segment(), *(spec.segment() for spec in FIELDS), Segment.memory(MEMORY)]
     values: dict[str, object] = {spec.name: spec.initial for spec in FIELDS}
-    baseline = BaselineChat(engine.model.path, n_ctx=baseline_n_ctx)
+    baseline = baseline_chat(engine.settings.backend, engine.model.path, n_ctx=baseline_n_ctx)
     history: list[dict[str, str]] = []
     turns: list[DemoTurn] = []
     try:

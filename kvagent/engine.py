@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvagent.backends.base import Backend, BackendConfig
-from kvagent.backends.registry import backend_names, create_backend
+from kvagent.backends.registry import backend_names, create_backend, default_gpu_layers
 from kvagent.chat_format import BUILTIN_FORMATS, ChatFormat
 from kvagent.errors import ChatTemplateError, KVAgentError
 from kvagent.kv.pool import SequencePool
@@ -108,7 +108,7 @@ def _env_flag(name: str, default: bool | None = False) -> bool | None:
 def auto_gpu_layers(backend: str = "llama.cpp") -> int:
     """``n_gpu_layers`` for settings that leave it unset: ``$KVAGENT_GPU_LAYERS`` when set (an int, -1 = all);
     else, for the llama.cpp backend, -1 when its build can offload (``llama_supports_gpu_offload``) and a GPU
-    device is present, 0 otherwise (``kvagent.backends.llama_cpp.default_gpu_layers``); 0 for other backends."""
+    device is present, 0 otherwise (the backend registry's ``default_gpu_layers``); 0 for the fake backend."""
     value = os.environ.get("KVAGENT_GPU_LAYERS", "").strip()
     if value:
         try:
@@ -117,21 +117,13 @@ def auto_gpu_layers(backend: str = "llama.cpp") -> int:
             raise KVAgentError(
                 f"$KVAGENT_GPU_LAYERS={value!r}: use an integer (-1 = all layers, 0 = CPU only)"
             ) from None
-    if backend != "llama.cpp":
-        return 0
-    from kvagent.backends.llama_cpp import default_gpu_layers
-
-    return default_gpu_layers()
+    return default_gpu_layers(backend)
 
 
 def auto_flash_attn(backend: str = "llama.cpp") -> bool:
     """``flash_attn`` for settings that leave it unset: on when the llama.cpp build can offload and sees a GPU
     (the non-flash path gave NaN logits there, see :class:`EngineSettings`), off otherwise."""
-    if backend != "llama.cpp":
-        return False
-    from kvagent.backends.llama_cpp import default_gpu_layers
-
-    return default_gpu_layers() != 0
+    return default_gpu_layers(backend) != 0
 
 
 class Engine:

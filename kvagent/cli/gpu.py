@@ -17,14 +17,11 @@ app = typer.Typer(help="GPU offload: the devices llama.cpp sees; a layer-truncat
 
 def gpu_info() -> dict[str, object]:
     """What ``kvagent gpu info`` prints: the build, its GPUs, and what the engine's settings resolve to."""
-    import dataclasses
-
-    from kvagent.backends.llama_cpp import build_info, gpu_devices
+    from kvagent.backends.registry import device_report
     from kvagent.engine import EngineSettings, auto_gpu_layers
 
     return {
-        **build_info(),
-        "devices": [dataclasses.asdict(dev) for dev in gpu_devices()],
+        **device_report(),
         "auto_n_gpu_layers": auto_gpu_layers(),
         "flash_attn_default": EngineSettings().backend_config().flash_attn,
         "env": {k: os.environ[k] for k in ("KVAGENT_GPU_LAYERS", "KVAGENT_FLASH_ATTN", "CUDA_VISIBLE_DEVICES")

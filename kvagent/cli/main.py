@@ -1,19 +1,29 @@
-"""The root ``kvagent`` app: ``--verbose``, ``demo``, ``models``, and the command groups registered on it."""
+"""The root ``kvagent`` app: ``--verbose``, ``demo``, ``models``, the command groups registered on it, and the
+commands adapters plug in through the ``kvagent.cli`` entry-point group.
+
+An adapter distribution declares ``[project.entry-points."kvagent.cli"]`` in its ``pyproject.toml``: the entry's
+name is where the command goes (``serve``: the root; ``bench.load``: ``load`` in the ``bench`` group), its value a
+command function or a ``typer.Typer`` app. The core never imports an adapter: where one is not installed, its
+command says what to install.
+"""
 
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
+import logging
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
 from kvagent.cli.bench import app as bench_app
-from kvagent.cli.chat import app as chat_app
 from kvagent.cli.common import configure_logging, console
 from kvagent.cli.edits import app as edits_app
 from kvagent.cli.gpu import app as gpu_app
 from kvagent.cli.native import app as native_app
 from kvagent.cli.probe import app as probe_app
 from kvagent.cli.reference import app as reference_app
-from kvagent.cli.serve import serve
 from kvagent.cli.skills import app as skills_app
 from kvagent.errors import KVAgentError
 
@@ -102,6 +112,54 @@ app.add_typer(native_app, name="native")
 app.add_typer(skills_app, name="skills")
 app.add_typer(reference_app, name="reference")
 app.add_typer(probe_app, name="probe")
-app.command("serve")(serve)
-app.add_typer(chat_app, name="chat")
 app.add_typer(gpu_app, name="gpu")
+
+ENTRY_POINTS = "kvagent.cli"
+GROUPS: dict[str, typer.Typer] = {"": app, "bench": bench_app}
+# what each adapter command needs installed, for the command that stands in while it is not
+ADAPTER_COMMANDS = {
+    "serve": ("the server package", "pip install -e adapters/server"),
+    "chat": ("the desktop agent (the LangChain adapter with its desktop extra)", "pip install -e 'adapters/langchain[desktop]'"),
+    "bench.load": ("the load benchmark (the server package)", "pip install -e adapters/server"),
+}
+log = logging.getLogger(__name__)
+
+
+def _missing(what: str, install: str) -> Callable[..., None]:
+    def command(args: list[str] = typer.Argument(None, hidden=True)) -> None:
+        console.print(f"[red]error:[/] {escape(what)} is not installed: run `{escape(install)}` (make installs it)")
+        raise typer.Exit(1)
+
+    command.__doc__ = f"Needs {what}: `{install}`."
+    return command
+
+
+def register_plugins(found: Any = None) -> list[str]:
+    """Add every ``kvagent.cli`` entry point's command (``found``: the entry points, default the installed ones);
+    a stand-in that names the install command for each adapter command missing. Returns the names added."""
+    added: list[str] = []
+    for ep in (entry_points(group=ENTRY_POINTS) if found is None else found):
+        group, _, name = ep.name.rpartition(".")
+        if group not in GROUPS:
+            log.warning("entry point %s = %s: no command group %r (use one of: %s)", ep.name, ep.value, group,
+                        ", ".join(repr(g) for g in GROUPS))
+            continue
+        try:
+            command = ep.load()
+        except Exception as exc:  # a broken or half-installed adapter must not break the whole CLI
+            log.warning("the %s command could not be loaded (%s = %s): %s", ep.name, ep.name, ep.value, exc)
+            continue
+        if isinstance(command, typer.Typer):
+            GROUPS[group].add_typer(command, name=name)
+        else:
+            GROUPS[group].command(name)(command)
+        added.append(ep.name)
+    for full, (what, install) in ADAPTER_COMMANDS.items():
+        if full not in added:
+            group, _, name = full.rpartition(".")
+            GROUPS[group].command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+                                  add_help_option=False)(_missing(what, install))
+    return added
+
+
+register_plugins()

@@ -47,3 +47,50 @@ def test_chat_without_the_desktop_extra_says_what_to_install(monkeypatch: pytest
     result = CliRunner().invoke(app, ["chat"], env={"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
     assert result.exit_code == 1
     assert "pip install -e 'adapters/langchain[desktop]'" in result.output and "Traceback" not in result.output
+
+
+class _EntryPoint:
+    """An entry point as ``importlib.metadata`` gives it: a name, a value and ``load()``."""
+
+    def __init__(self, name: str, load: object) -> None:
+        self.name, self.value, self._load = name, f"fake:{name}", load
+
+    def load(self) -> object:
+        if isinstance(self._load, Exception):
+            raise self._load
+        return self._load
+
+
+def _broken() -> None:
+    """A command whose module would not import."""
+
+
+@pytest.mark.parametrize(("entry", "args", "code", "shown"), [
+    (_EntryPoint("hello", lambda: print("hi from a plugin")), ["hello"], 0, "hi from a plugin"),
+    (_EntryPoint("bench.hello", lambda: print("a bench plugin")), ["bench", "hello"], 0, "a bench plugin"),
+    (_EntryPoint("serve", ImportError("no module named fastapi")), ["serve", "--port", "1"], 1,
+     "the server package is not installed: run `pip install -e adapters/server`"),
+    (_EntryPoint("nowhere.hello", _broken), ["chat"], 1, "pip install -e 'adapters/langchain[desktop]'"),
+])
+def test_adapter_commands_plug_in_or_say_what_to_install(entry: _EntryPoint, args: list[str], code: int,
+                                                          shown: str) -> None:
+    """``kvagent.cli`` entry points add commands where their name says; a missing or broken adapter's command
+    stands in with the install command; an unknown group is skipped (logged)."""
+    import importlib
+
+    import typer
+
+    main = importlib.import_module("kvagent.cli.main")
+    root, bench = typer.Typer(), typer.Typer()
+    root.add_typer(bench, name="bench")
+    saved = dict(main.GROUPS)
+    main.GROUPS.update({"": root, "bench": bench})
+    try:
+        added = main.register_plugins([entry])
+    finally:
+        main.GROUPS.clear()
+        main.GROUPS.update(saved)
+    assert added == ([entry.name] if not isinstance(entry._load, Exception) and entry.name != "nowhere.hello" else [])
+    result = CliRunner().invoke(root, args, env={"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
+    assert result.exit_code == code, result.output
+    assert shown in result.output and "Traceback" not in result.output

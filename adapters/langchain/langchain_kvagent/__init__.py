@@ -5,10 +5,33 @@ chain's or graph's state dict, turning changed fields into errata; ``registry`` 
 (model, settings) across the process; ``desktop`` is the Textual desktop agent (the ``desktop`` extra).
 """
 
-from langchain_kvagent.chat_models import DEFAULT_SESSION, ChatKVAgent
-from langchain_kvagent.errors import SkillNotCompiledError, UndeclaredFieldError, UnknownSessionError, UnknownSkillError
-from langchain_kvagent.registry import Turn
-from langchain_kvagent.state import KVAgentStateRunnable
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from langchain_kvagent.chat_models import DEFAULT_SESSION, ChatKVAgent
+    from langchain_kvagent.errors import (SkillNotCompiledError, UndeclaredFieldError, UnknownSessionError,
+                                          UnknownSkillError)
+    from langchain_kvagent.registry import Turn
+    from langchain_kvagent.state import KVAgentStateRunnable
+
+# the public names and their modules, imported on first use: `kvagent --help` loads this package's command
+# (langchain_kvagent.cli) without importing LangChain
+_EXPORTS = {
+    "DEFAULT_SESSION": "chat_models", "ChatKVAgent": "chat_models", "KVAgentStateRunnable": "state", "Turn": "registry",
+    "SkillNotCompiledError": "errors", "UndeclaredFieldError": "errors", "UnknownSessionError": "errors",
+    "UnknownSkillError": "errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'langchain_kvagent' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"langchain_kvagent.{module}"), name)
+
 
 __version__ = "0.1.0"
 __all__ = [

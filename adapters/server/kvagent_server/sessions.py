@@ -27,7 +27,7 @@ from kvagent.aio import AsyncEngine, AsyncSession
 from kvagent.errors import KVAgentError, KVCacheFullError
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
-from kvagent.generation import TurnMemory
+from kvagent.generation import ReplyTokens
 from kvagent.messages import MessageLog
 from kvagent.segments import Segment, SegmentKind
 
@@ -67,7 +67,7 @@ class Entry:
     static: list[Segment] = field(default_factory=list)
     """Segments the server added (policy, fields, memory, skills): ``MessageLog.plan``'s ``static``."""
     log: MessageLog = field(default_factory=MessageLog)
-    turns: TurnMemory = field(default_factory=TurnMemory)
+    turns: ReplyTokens = field(default_factory=ReplyTokens)
     session: AsyncSession | None = None
     parked: Parked | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -279,7 +279,7 @@ class SessionManager:
             opts = entry.options
             session = await self.engine.session(segments, fields=list(opts.fields), eviction=opts.eviction,
                                                 edit_strategy=opts.edit_strategy)
-        session.session.turns = entry.turns  # the memory of generated turns outlives the sequence
+        session.session.replies = entry.turns  # the memory of generated turns outlives the sequence
         entry.evicted_seen = 0
         if parked is not None:
             try:

@@ -225,7 +225,7 @@ async def test_eviction_can_be_switched_on_a_live_session() -> None:
     await m.ainvoke("Hello", session_id="ev")
     tokens = m.session("ev").tokens
     await m.aset_eviction(Eviction("window", budget=256, chunk=32), session_id="ev")
-    assert m.session("ev").tokens == tokens and m.session("ev").state.evictor is not None
+    assert m.session("ev").tokens == tokens and m.session("ev").cache.evictor is not None
     long = " ".join(f"Note {i}: the customer asked about tent pegs." for i in range(40))
     reply = await m.ainvoke(["Hello", AIMessage(m.session("ev").segments[-1].text), long], session_id="ev")
     assert reply.content and m.session("ev").evicted_positions

@@ -25,9 +25,11 @@ def test_help_lists(args: list[str], names: list[str]) -> None:
 
 
 def test_the_cli_imports_the_server_only_when_serving() -> None:
-    code = "import sys, kvagent.cli; print([m for m in sys.modules if m.startswith('kvagent_server')])"
+    """The server plugs its commands in (entry points) without loading FastAPI, uvicorn or the app."""
+    code = ("import sys, kvagent.cli; print(sorted(m for m in sys.modules if m.startswith(('kvagent_server', "
+            "'fastapi', 'uvicorn'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "['kvagent_server', 'kvagent_server.cli']"
     missing = ("import sys; sys.modules['kvagent_server'] = None\n"
                "from kvagent.cli import app\napp(['serve'])")
     out = subprocess.run([sys.executable, "-c", missing], capture_output=True, text=True, env={**ENV, "PATH": ""})

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from kvagent.bench.load import LLAMA_SERVER_CACHE
+from kvagent_server.bench.load import LLAMA_SERVER_CACHE
 from server_helpers import MODEL, free_port, process
 
 LLAMA_SERVER_DEPS = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvagent.bench.load import (TurnRecord, arrivals, common_prefix, compare, field_change, percentile, saturated,
+from kvagent_server.bench.load import (TurnRecord, arrivals, common_prefix, compare, field_change, percentile, saturated,
                                 summarise)
 
 

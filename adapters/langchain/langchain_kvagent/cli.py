@@ -1,4 +1,5 @@
-"""``kvagent chat``: the local desktop agent (LangChain adapter, Textual), imported only when it runs."""
+"""``kvagent chat``: the local desktop agent (Textual), registered on ``kvagent`` through the ``kvagent.cli`` entry
+points (``adapters/langchain/pyproject.toml``). The chat model and the app load inside the command."""
 
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ def chat(
 ) -> None:
     """Open the desktop agent (needs the LangChain adapter's desktop extra)."""
     try:
-        from langchain_kvagent import ChatKVAgent
         from langchain_kvagent.desktop import parse_fields, run_desktop
     except ImportError as exc:
         console.print(f"[red]error:[/] the desktop agent needs the LangChain adapter with its desktop extra "
                       f"({escape(str(exc.name or exc))} is missing): run `{escape(INSTALL)}`")
         raise typer.Exit(1) from exc
     from kvagent.demo import POLICY
+    from langchain_kvagent import ChatKVAgent
 
     try:
         fields = parse_fields(field or ["customer=Alice Moreau", "order_status=processing"])

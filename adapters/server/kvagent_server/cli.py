@@ -1,0 +1,76 @@
+"""The server distribution's commands, registered on ``kvagent`` through the ``kvagent.cli`` entry points
+(``adapters/server/pyproject.toml``): ``kvagent serve`` and ``kvagent bench load``.
+
+Only typer is imported here: the server (FastAPI, uvicorn) and the benchmark load inside the commands, so
+``kvagent --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvagent.cli.common import command_line, console, print_table
+
+
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    model: str = typer.Option("smollm2-135m", help="Registry name or path of a local .gguf file."),
+    n_ctx: int = typer.Option(16384, help="KV pool shared by all live sessions (tokens)."),
+    n_seq_max: int = typer.Option(32, help="Sessions held live at once; idle ones beyond are parked."),
+    api_key: str = typer.Option(None, envvar="KVAGENT_API_KEY", help="Require 'Authorization: Bearer KEY' "
+                                "(or set KVAGENT_API_KEY, which keeps the key out of the process list)."),
+    skills: Path = typer.Option(None, "--skills", help="Folder of skill files sessions may include by name."),
+    threads: int = typer.Option(0, help="llama.cpp threads (0 = all cores)."),
+    flash_attn: bool = typer.Option(True, "--flash-attn/--no-flash-attn", help="Flash attention (on: many "
+                                    "sessions share one pool, see README)."),
+    park_dir: Path = typer.Option(None, help="Where parked sessions' KV is written (default: a temporary folder)."),
+    log_level: str = typer.Option("info", help="uvicorn's log level."),
+) -> None:
+    """Serve OpenAI-compatible chat completions whose sessions keep their KV cache alive."""
+    from kvagent_server import ServerConfig
+    from kvagent_server import serve as run
+
+    config = ServerConfig(model=model, host=host, port=port, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads,
+                          flash_attn=flash_attn, api_key=api_key or None, skills_dir=skills, park_dir=park_dir)
+    run(config, log_level=log_level)
+
+
+def bench_load(
+    quick: bool = typer.Option(False, help="6 agents per rate, a 1-turn warm-up, points cut at 80 s (about 4 minutes)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/load.json; "
+                                   "load-quick.json with --quick, load-remote*.json for --target remote)."),
+    target: str = typer.Option("serve", help="serve: `kvagent serve`; remote: llama-cpp-python's server through "
+                               "kvagent's remote sessions."),
+) -> None:
+    """The online benchmark of "Models Take Notes at Prefill" (arXiv:2606.17107): errata vs in-prefix edits under Poisson load (hit rate, p90 TTFT,
+    throughput as the agent arrival rate doubles), on a server started on 127.0.0.1."""
+    from kvagent_server.bench import load
+
+    if target not in load.TARGETS:
+        console.print(f"[red]error:[/] unknown target {target!r}: use one of {', '.join(load.TARGETS)}")
+        raise typer.Exit(2)
+    json_path = json_path or load.default_json(target, quick)
+    with console.status("load benchmark") as status:
+        rows = load.run(target, quick, json_path, command_line(), progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    load.plot(rows, plot_path)
+    fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
+    print_table(
+        f"errata vs in-prefix edits under Poisson load, {target} ({json_path}, {plot_path})",
+        ("arm", "agents/s", "offered/s", "done/s", "p50 TTFT", "p90 TTFT", "hit", "by", "turns", "err", "cut"),
+        [[r["arm"], f"{r['rate']:g}", fmt(r["offered_rps"], ".2f"), fmt(r["throughput_rps"], ".2f"),
+          fmt(r["ttft_p50_s"], ".2f"), fmt(r["ttft_p90_s"], ".2f"), fmt(r["hit_rate"], ".3f"),
+          "server" if r["hit_rate_source"] == "server" else "client", str(r["completed"]), str(r["errors"]),
+          str(r["censored"])] for r in rows],
+    )
+    console.print("offered/s, done/s: turns per second offered and completed; TTFT in seconds; hit: prompt tokens "
+                  "not computed in their turn, as reported by the server or estimated by the client; cut: turns "
+                  "still running when the point was cut (their wait counts as a lower bound)")
+    summary = load.compare(rows)
+    ratio = summary.get("ttft_p90_ratio")
+    console.print(f"at {summary.get('rate', '-')} agents/s (the highest rate both arms ran): p90 TTFT inplace / "
+                  f"erratum = {fmt(ratio, '.1f')}x; saturated throughput erratum / inplace = "
+                  f"{fmt(summary.get('throughput_ratio'), '.1f')}x")
