@@ -132,9 +132,9 @@ class AsyncGenerationStream(GenerationStream):
 class AsyncSession:
     """Coroutines over one :class:`Session`; the session itself stays usable from threads (same order)."""
 
-    def __init__(self, session: Session, scheduler: Scheduler) -> None:
+    def __init__(self, session: Session, scheduler: Scheduler | None = None) -> None:
         self.session = session
-        self._scheduler = scheduler
+        self._scheduler = scheduler if scheduler is not None else session.scheduler
 
     def __getattr__(self, name: str) -> Any:  # read-only state: tokens, segments, spans, field_values, ...
         return getattr(self.session, name)

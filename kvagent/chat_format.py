@@ -14,6 +14,7 @@ its later re-rendering are the same tokens.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -99,17 +100,28 @@ BUILTIN_FORMATS: dict[str, ChatFormat] = {
 }
 
 
-def _compile(template: str) -> Any:
+def compile_template(source: str) -> Any:
+    """A chat template compiled in the one environment kvagent renders templates in, as Hugging Face's
+    ``transformers`` renders them: sandboxed (immutable), ``trim_blocks`` and ``lstrip_blocks``, the
+    ``loopcontrols`` extension, ``tojson`` as ``json.dumps`` (not Jinja's HTML-escaping one), and the globals
+    templates call (``raise_exception``, ``strftime_now``). Returns a ``jinja2.Template``; render it with
+    ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` (and ``tools`` where it takes them)."""
     from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    compiled = env.from_string(template)
+    return env.from_string(source)
+
+
+def _compile(template: str) -> Any:
+    compiled = compile_template(template)
 
     def render(messages: list[dict[str, str]], gen: bool) -> str:
         # BOS is added by the tokenizer, never as template text.

@@ -33,7 +33,8 @@ Rules:
 4. Never invent order numbers, prices or dates. If you do not know, say so.
 5. Gold members get free express shipping on every order."""
 
-SKILL = Path(__file__).resolve().parents[1] / "skills" / "refund_policy.yaml"
+SKILL = Path(__file__).resolve().parent / "data" / "skills" / "refund_policy.yaml"
+"""The demo's skill, shipped as package data (``skills/refund_policy.yaml`` in the repository, linked)."""
 BUDGET = 1024  # KV cells the agent's session keeps (policy, skill and fields are pinned inside it)
 CHUNK = 64
 FIELDS = (FieldSpec(name="customer", initial="Alice Moreau, gold member"),

@@ -52,8 +52,9 @@ class ChatTemplateError(KVAgentError):
     """The model's chat template could not be turned into role wrappers."""
 
 
-class FieldValueError(KVAgentError):
-    """``session.set`` named an unknown field or a value the field's spec does not allow."""
+class FieldValueError(KVAgentError, ValueError):
+    """``session.set`` named an unknown field or a value the field's spec does not allow (a ``ValueError`` too, so
+    pydantic reports it where a spec is declared, with its location)."""
 
 
 class SkillFileError(KVAgentError):

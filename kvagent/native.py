@@ -41,8 +41,9 @@ from kvagent.errors import BackendError
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[1] / "native" / "kvcapture.c"
-"""The C source of the native capture (in the repository, next to the package)."""
+SOURCE = Path(__file__).resolve().parent / "data" / "native" / "kvcapture.c"
+"""The C source of the native capture, shipped as package data (``native/kvcapture.c`` in the repository; the
+package holds a link to it, which a wheel turns into a copy)."""
 
 EvalCallback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
 """``ggml_backend_sched_eval_callback``: ``bool cb(struct ggml_tensor * t, bool ask, void * user_data)``."""
@@ -179,8 +180,8 @@ def library_path() -> Path:
 
     if not SOURCE.exists():
         raise BackendError(
-            f"the native capture source {SOURCE} is missing (kvagent installed without its repository): "
-            "run from a checkout (`pip install -e .`) or use capture='python'"
+            f"the native capture source {SOURCE} is missing (a broken install): reinstall kvagent, or use "
+            "capture='python'"
         )
     include, lib = wheel_dirs()
     return cache_dir() / "native" / f"kvcapture-{_build_key(include, lib)}.so"

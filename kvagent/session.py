@@ -11,6 +11,7 @@ session run in the order they were made, whatever thread (or coroutine, ``kvagen
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import logging
 import threading
 import weakref
@@ -20,7 +21,7 @@ import numpy as np
 
 from kvagent.chat_format import ChatFormat
 from kvagent.edits import EditReport, EditStrategy, get_strategy
-from kvagent.errors import KVAgentError, SessionClosedError
+from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedError
 from kvagent.fields import check_changes
 from kvagent.generation import Decoder, Generation, GenerationStream, ReplyTokens, generation_work, start_stream
 from kvagent.kv.persist import restore_blob, save_blob
@@ -30,7 +31,7 @@ from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport, sync
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
-from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span
+from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix
 
 if TYPE_CHECKING:
     from kvagent.eviction import CycleReport
@@ -41,6 +42,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TurnFit:
+    """What a turn needs (:meth:`Session.fit`): the prompt's tokens, the reply budget, the KV cells it may add."""
+
+    prompt_tokens: int
+    max_tokens: int
+    cells: int
 
 
 class Session:
@@ -76,6 +86,7 @@ class Session:
     stale_positions = property(lambda self: self.cache.stale, doc="KV kept stale by a field-only/selective edit.")
     clean_prefix = property(lambda self: self.cache.clean_prefix, doc="Cached prefix other sessions may share.")
     n_ctx = property(lambda self: self.cache.backend.n_ctx)
+    scheduler = property(lambda self: self._scheduler, doc="The engine's scheduler this session's work runs on.")
 
     @property
     def cycles(self) -> tuple[CycleReport, ...]:
@@ -109,6 +120,27 @@ class Session:
         """``chat`` when the session renders with the model's chat template, ``plain`` when it renders plain
         text (``engine.session(chat=False)``); edit calibrations are kept per format."""
         return "plain" if self.renderer.chat_format == ChatFormat.plain() else "chat"
+
+    def fit(self, segments: Sequence[Segment], max_tokens: int) -> TurnFit:
+        """How a turn that makes ``segments`` the prompt and replies with up to ``max_tokens`` fits this session:
+        the prompt's tokens, the reply budget that fits (clipped to the context; with eviction, as asked) and the
+        KV cells it may add beyond what is cached. Raises :class:`ContextOverflowError` (nothing changed) when
+        no reply fits. Reads only: safe beside running work."""
+        segments = [self.replies.resolve(s) for s in segments]
+        tokens = self.renderer.render([*segments, Segment.reply()]).tokens  # SegmentOrderError on a bad order
+        closing = self.renderer.closing_length("assistant") + 1
+        n_ctx, evictor = self.n_ctx, self.cache.evictor
+        if evictor is None:
+            room = n_ctx - len(tokens) - closing
+            if room < 1:
+                raise ContextOverflowError(
+                    f"the prompt is {len(tokens)} tokens and the context {n_ctx}: no room for a reply; shorten the "
+                    "messages or start a new session (nothing was changed)")
+            max_tokens = min(max_tokens, room)
+        cells = len(tokens) - common_prefix(self.cache.tokens, tokens) + max_tokens + closing
+        if evictor is not None:
+            cells = min(cells, evictor.budget + evictor.chunk + closing)
+        return TurnFit(len(tokens), max_tokens, cells)
 
     # -- running work on the scheduler -------------------------------------------------------------
     def run(self, work: Work[T], *, timeout: float | None = None) -> T:

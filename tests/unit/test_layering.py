@@ -1,27 +1,43 @@
 """Layering: product code never imports the benchmarks (``kvagent.bench``); only the llama.cpp backend imports
-``llama_cpp``; module dependencies run one way.
+``llama_cpp``, and only the backend registry imports that backend; kvagent never imports an adapter; the torch
+oracle's probes and checks stay out of product code; module dependencies run one way, in the core and in each
+adapter.
 
-Every module under ``kvagent/`` is parsed (not imported) and each of its imports, at the top or inside a
-function, is resolved to absolute module names. Only the benchmarks themselves (``kvagent/bench/``) and
-their command group (``kvagent/cli/bench.py``) may name ``kvagent.bench``.
+Every module under ``kvagent/`` and ``adapters/*/<package>/`` is parsed (not imported) and each of its imports,
+at the top or inside a function, is resolved to absolute module names. Only the benchmarks themselves
+(``kvagent/bench/``) and their command group (``kvagent/cli/bench.py``) may name ``kvagent.bench``.
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "kvagent"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "kvagent"
 FORBIDDEN = "kvagent.bench"
 ALLOWED = ("kvagent/bench/", "kvagent/cli/bench.py")
 MODULES = sorted(p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*.py"))
+# adapter distributions: adapters/<name>/<package>/ (paths relative to the repository)
+ADAPTERS = {p.parent.name: sorted(m.relative_to(ROOT).as_posix() for m in p.parent.rglob("*.py"))
+            for p in ROOT.glob("adapters/*/*/__init__.py")}
+ADAPTER_PACKAGES = tuple(ADAPTERS)
+BACKEND = "kvagent.backends.llama_cpp"
+# what product code may import from the torch oracle: the model itself (the torch eviction policies run it)
+ORACLE = "kvagent.reference"
+SHARED_ORACLE = ("kvagent.reference.model", "kvagent.reference.weights")
+ORACLE_USERS = ("kvagent/reference/", "kvagent/bench/", "kvagent/cli/")
 
 
 def module_name(path: str) -> str:
-    """``kvagent/cli/bench.py`` -> ``kvagent.cli.bench``; a package's ``__init__`` is the package."""
+    """``kvagent/cli/bench.py`` -> ``kvagent.cli.bench``, ``adapters/server/kvagent_server/app.py`` ->
+    ``kvagent_server.app``; a package's ``__init__`` is the package."""
     parts = path[: -len(".py")].split("/")
+    if parts[0] == "adapters":
+        parts = parts[2:]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -89,6 +105,49 @@ def test_product_module_does_not_import_bench(path: str) -> None:
     assert not found, "product code must not import kvagent.bench (move what it needs out of bench/):\n" + "\n".join(found)
 
 
+def _imports(paths: list[str], wanted: "Callable[[str], bool]") -> list[str]:
+    return sorted({f"{path}:{line}: {name}" for path in paths
+                   for line, name in imported((ROOT / path).read_text(encoding="utf-8"), path) if wanted(name)})
+
+
+def _under(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_the_adapters_are_walked() -> None:
+    assert {"langchain_kvagent", "kvagent_server"} <= set(ADAPTER_PACKAGES)
+    assert all(len(paths) > 3 for paths in ADAPTERS.values())
+
+
+def test_kvagent_never_imports_an_adapter() -> None:
+    """Adapters plug in (entry points, registries); the core does not know them."""
+    found = _imports(MODULES, lambda name: _under(name, *ADAPTER_PACKAGES))
+    assert not found, "kvagent must not import an adapter (register through an entry point instead):\n" + "\n".join(found)
+
+
+def test_adapters_do_not_import_each_other() -> None:
+    for package, paths in ADAPTERS.items():
+        others = [p for p in ADAPTER_PACKAGES if p != package]
+        found = _imports(paths, lambda name: _under(name, *others))
+        assert not found, f"{package} imports another adapter:\n" + "\n".join(found)
+
+
+def test_only_the_backend_registry_imports_the_llama_cpp_backend() -> None:
+    """Callers ask the registry (``kvagent.backends.registry``), never the backend module."""
+    everywhere = [*MODULES, *(p for paths in ADAPTERS.values() for p in paths)]
+    allowed = ("kvagent/backends/registry.py", "kvagent/backends/llama_cpp.py")
+    found = _imports([p for p in everywhere if p not in allowed], lambda name: _under(name, BACKEND))
+    assert not found, "ask kvagent.backends.registry instead of importing the llama.cpp backend:\n" + "\n".join(found)
+
+
+def test_product_code_uses_only_the_shared_part_of_the_oracle() -> None:
+    """The torch reference model is shared (the torch eviction policies run it); its probes, checks and export
+    are the oracle's own, for tests, benchmarks and their commands."""
+    product = [p for p in MODULES if not p.startswith(ORACLE_USERS)]
+    found = _imports(product, lambda name: _under(name, ORACLE) and name != ORACLE and not _under(name, *SHARED_ORACLE))
+    assert not found, "product code may import only kvagent.reference.model from the oracle:\n" + "\n".join(found)
+
+
 def test_only_the_llama_cpp_backend_imports_llama_cpp() -> None:
     """One module owns the native bindings (its baseline chat for comparisons included)."""
     found = sorted(f"{path}:{line}: {name}" for path in MODULES if path != "kvagent/backends/llama_cpp.py"
@@ -97,14 +156,15 @@ def test_only_the_llama_cpp_backend_imports_llama_cpp() -> None:
     assert not found, "only kvagent/backends/llama_cpp.py may import llama_cpp:\n" + "\n".join(found)
 
 
-def dependency_graph() -> dict[str, set[str]]:
-    """kvagent module -> the kvagent modules it imports (top-level or function-local). ``from a import b``
-    counts as ``a.b`` when that is a module, else as ``a``."""
-    modules = {module_name(path): path for path in MODULES}
+def dependency_graph(paths: list[str] = MODULES) -> dict[str, set[str]]:
+    """module -> the modules of ``paths`` it imports (top-level or function-local; ``TYPE_CHECKING`` imports
+    too: a loop closed by one is still a loop). ``from a import b`` counts as ``a.b`` when that is a module,
+    else as ``a``."""
+    modules = {module_name(path): path for path in paths}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps: set[str] = set()
-        for node in ast.walk(ast.parse((PACKAGE.parent / path).read_text(), filename=path)):
+        for node in ast.walk(ast.parse((ROOT / path).read_text(), filename=path)):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -167,3 +227,8 @@ def test_cycle_finder(graph: dict[str, set[str]], expected: list[list[str]]) -> 
 def test_no_two_way_dependency_between_modules() -> None:
     """Dependencies run one way; a function-local import that hides a cycle is still a cycle."""
     assert cycles(dependency_graph()) == []
+
+
+@pytest.mark.parametrize("package", ADAPTER_PACKAGES)
+def test_no_two_way_dependency_inside_an_adapter(package: str) -> None:
+    assert cycles(dependency_graph(ADAPTERS[package])) == []

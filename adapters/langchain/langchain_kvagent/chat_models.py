@@ -4,165 +4,56 @@ Each conversation is one kvagent session, chosen per call by its *session key*: 
 (``model.invoke(msgs, session_id="a")``), else ``config["configurable"]["session_id"]``, else
 ``config["configurable"]["thread_id"]`` (LangGraph), else one default session per chat model instance.
 Clients resend the whole history each call; the messages the session already holds are reused from its
-cache and only new ones are computed (``kvagent.messages``: leading system messages are the policy, later
-ones memory, human messages user turns, AI messages assistant turns, tool results a user turn naming the
-tool). The chat model's own ``policy``, ``skills`` and ``fields`` follow the leading system messages, so a
-value that changes goes in a declared field (an erratum line is appended; the prefix stays cached) instead
-of the top of the system prompt.
-
-    model = ChatKVAgent(policy="You are Northwind's support agent.", fields=[FieldSpec(name="plan", initial="basic")])
-    reply = model.invoke("Can I cancel?", config={"configurable": {"session_id": "alice"}})
-    reply.usage_metadata["input_token_details"]["cache_read"]      # prompt tokens not computed
+cache and only new ones are computed (``kvagent.messages``). The chat model's own ``policy``, ``skills`` and
+``fields`` follow the leading system messages, so a value that changes goes in a declared field (an edit, the
+prefix stays cached) instead of the top of the system prompt. Every verb exists sync and async, both driving
+one operation (``langchain_kvagent.operations``); the sessions are the chat model's ``conversations``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-import uuid
-import weakref
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterator, Literal, Mapping
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
-from langchain_core.language_models.chat_models import generate_from_stream
-from langchain_core.messages import (
-    AIMessage,
-    AIMessageChunk,
-    BaseMessage,
-    HumanMessage,
-    SystemMessage,
-    ToolMessage,
-    UsageMetadata,
-)
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig, ensure_config
 from pydantic import Field, InstanceOf, PrivateAttr, SecretStr, model_validator
 
+from kvagent.aio import AsyncSession
 from kvagent.edits.base import EditReport
 from kvagent.engine import Engine
-from kvagent.errors import EvictionError, KVAgentError
+from kvagent.errors import EvictionError
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
-from kvagent.generation import Generation
-from kvagent.messages import ChatMessage
 from kvagent.models import DEFAULT_MODEL
 from kvagent.policies import get_policy
-from kvagent.segments import Segment
 from kvagent.session import Session
-from kvagent.skills.spec import SkillSpec, load_skill, load_skills
+from kvagent.skills.spec import SkillSpec
 
-from langchain_kvagent import snapshot
-from langchain_kvagent.errors import SkillNotCompiledError, UndeclaredFieldError, UnknownSessionError, UnknownSkillError
-from langchain_kvagent.registry import EngineKey, EngineSlot, SessionEntry, Turn, slot
-
-log = logging.getLogger(__name__)
-
-DEFAULT_SESSION = "default"
-_ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool", "function": "tool"}
-_CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
-               "tool": "tool"}
-_MEDIA = {"image", "image_url", "audio", "input_audio", "video", "file", "document"}
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens")
-
-
-def to_chat_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
-    """LangChain messages as kvagent chat messages (text only; a media block is refused by name)."""
-    out: list[ChatMessage] = []
-    for index, message in enumerate(messages):
-        if message.type == "chat":
-            role = _CHAT_ROLES.get(str(getattr(message, "role", "")))
-        else:
-            role = _ROLES.get(message.type)
-        if role is None:
-            raise KVAgentError(f"message {index} is a {type(message).__name__} ({message.type!r}): ChatKVAgent takes "
-                               "system, human, AI and tool messages")
-        name = (message.name or getattr(message, "tool_call_id", None)) if role == "tool" else None
-        out.append(ChatMessage(role, _text(message, index), name))  # type: ignore[arg-type]
-    return out
-
-
-def to_langchain(message: ChatMessage) -> BaseMessage:
-    """A kvagent chat message as the LangChain message it came from."""
-    if message.role == "system":
-        return SystemMessage(message.content)
-    if message.role == "user":
-        return HumanMessage(message.content)
-    if message.role == "assistant":
-        return AIMessage(message.content)
-    name = message.name or "tool"
-    return ToolMessage(message.content, tool_call_id=name, name=name)
-
-
-def _text(message: BaseMessage, index: int) -> str:
-    if isinstance(message.content, str):
-        return message.content
-    parts: list[str] = []
-    for block in message.content:
-        if isinstance(block, str):
-            parts.append(block)
-        elif block.get("type") == "text":
-            parts.append(str(block.get("text", "")))
-        elif block.get("type") in _MEDIA:
-            raise KVAgentError(f"message {index} has a {block.get('type')!r} block: ChatKVAgent reads text only "
-                               "(a 135M-270M text model); send the text, or describe the media in words")
-    return "".join(parts)
-
-
-def usage_metadata(turn: Turn) -> UsageMetadata:
-    """``input_tokens``: the whole prompt; ``cache_read``: its tokens that were not computed (reused from the
-    cache, or transplanted from a compiled skill)."""
-    return UsageMetadata(input_tokens=turn.input_tokens, output_tokens=turn.output_tokens,
-                         total_tokens=turn.input_tokens + turn.output_tokens,
-                         input_token_details={"cache_read": turn.cache_read})
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One call's session key, messages and generation options."""
-
-    key: str
-    messages: list[ChatMessage]
-    max_tokens: int
-    options: dict[str, Any]
+from langchain_kvagent import operations as ops
+from langchain_kvagent.convert import (DEFAULT_SESSION, chat_result, last_chunk, parse_call, to_chat_messages,
+                                      to_langchain, usage_metadata)
+from langchain_kvagent.conversations import Conversations
+from langchain_kvagent.registry import Turn
+from langchain_kvagent.skills import find_skill, skill_files
 
 
 class ChatKVAgent(BaseChatModel):
-    """A local llama.cpp model whose KV cache stays alive across each conversation's turns.
+    """A local llama.cpp model whose KV cache stays alive across each conversation's turns
+    (``pip install -e 'adapters/langchain'``).
 
-    Setup: ``pip install -e 'adapters/langchain'`` (kvagent and a model package installed).
+    .. code-block:: python
 
-    Instantiate:
-        .. code-block:: python
-
-            from kvagent.fields import FieldSpec
-            from langchain_kvagent import ChatKVAgent
-
-            model = ChatKVAgent(model="smollm2-135m", max_tokens=64, policy="You are a support agent. Be brief.",
-                                fields=[FieldSpec(name="order_status", initial="processing")])
-
-    Invoke, on a session chosen per call:
-        .. code-block:: python
-
-            reply = model.invoke("Can I cancel?", session_id="alice")
-            reply.usage_metadata            # input_tokens, output_tokens, input_token_details.cache_read
-            reply.response_metadata         # model_name, finish_reason, session_id, reused, computed, ...
-            model.set_fields({"order_status": "shipped"}, session_id="alice")  # an erratum, prefix kept
-
-    Stream (the last chunk carries usage and metadata, once):
-        .. code-block:: python
-
-            for chunk in model.stream("And the refund?", config={"configurable": {"thread_id": "t1"}}):
-                print(chunk.text, end="")
-
-    Async (native, on ``kvagent.aio``: calls on different sessions decode in one batch):
-        .. code-block:: python
-
-            await model.ainvoke("Hi", session_id="bob")
+        model = ChatKVAgent(model="smollm2-135m", policy="You are a support agent. Be brief.",
+                            fields=[FieldSpec(name="order_status", initial="processing")])
+        reply = model.invoke("Can I cancel?", session_id="alice")    # usage_metadata: cache_read
+        model.set_fields({"order_status": "shipped"}, session_id="alice")   # an edit, the prefix kept
+        for chunk in model.stream("And the refund?", config={"configurable": {"thread_id": "t1"}}): ...
+        await model.ainvoke("Hi", session_id="bob")   # native async: sessions decode in one batch
     """
 
     model: str = DEFAULT_MODEL
@@ -227,9 +118,8 @@ class ChatKVAgent(BaseChatModel):
     streaming: bool = False
     """Generate through :meth:`_stream` even on ``invoke`` (callbacks then see each token)."""
 
-    _owner: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
     _catalog: dict[str, tuple[SkillSpec, Path]] | None = PrivateAttr(default=None)
-    _finalizer: Any = PrivateAttr(default=None)
+    _conversations: Conversations = PrivateAttr()
 
     @model_validator(mode="after")
     def _check(self) -> ChatKVAgent:
@@ -255,12 +145,9 @@ class ChatKVAgent(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
-            "top_k": self.top_k, "seed": self.seed, "stop": self.stop, "n_ctx": self.n_ctx, "n_seq_max": self.n_seq_max,
-            "n_gpu_layers": self.n_gpu_layers, "policy": self.policy, "fields": [f.name for f in self.fields],
-            "skills": list(self.skills), "edit_strategy": self.edit_strategy,
-        }
+        names = ("model", "temperature", "max_tokens", "top_p", "top_k", "seed", "stop", "n_ctx", "n_seq_max",
+                 "n_gpu_layers", "policy", "skills", "edit_strategy")
+        return {**{n: getattr(self, n) for n in names}, "fields": [f.name for f in self.fields]}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
@@ -311,387 +198,154 @@ class ChatKVAgent(BaseChatModel):
     # (batch and abatch call invoke and ainvoke once per input with that input's config: lifted there)
 
     # -- generation ---------------------------------------------------------------------------------
-    def _call(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
-        kwargs = dict(kwargs)
-        key = str(kwargs.pop("session_id", None) or DEFAULT_SESSION)
-        kwargs.pop("stream", None)
-        model = kwargs.pop("model", None)
-        if model is not None and model != self.model:
-            raise KVAgentError(f"ChatKVAgent does not switch models per call (got model={model!r}, this one runs "
-                               f"{self.model!r}): construct another ChatKVAgent(model={model!r})")
-        unknown = sorted(set(kwargs) - set(_SAMPLING))
-        if unknown:
-            raise KVAgentError(f"unknown call options {', '.join(unknown)}: ChatKVAgent takes session_id, stop, "
-                               f"{', '.join(_SAMPLING)}")
-        options = {
-            "temperature": kwargs.get("temperature", self.temperature), "top_p": kwargs.get("top_p", self.top_p),
-            "top_k": kwargs.get("top_k", self.top_k), "seed": kwargs.get("seed", self.seed),
-            "stop": list(stop if stop is not None else self.stop or []),
-        }
-        return _Call(key, to_chat_messages(messages), int(kwargs.get("max_tokens", self.max_tokens)), options)
-
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        if self.timeout is not None:  # a sync call is cancelled between pieces: generate through the stream
-            return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
-        call = self._call(messages, stop, kwargs)
-        entry = self._acquire(call.key)
-        try:
-            gen = entry.live.generate(call.max_tokens, segments=entry.plan(call.messages), **call.options)
-            turn = entry.commit(call.messages, gen)
-        finally:
-            entry.release()
-        return self._result(gen, turn, call.key)
+        call = parse_call(self, messages, stop, kwargs)
+        gen, turn = self.conversations.drive(call.key, lambda e: ops.respond(e, call.messages, call.max_tokens,
+                                                                             call.options))
+        return chat_result(self.model, gen, turn, call.key)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        call = self._call(messages, stop, kwargs)
-        entry = await self._aacquire(call.key)
-        try:
-            reply = entry.asession().arespond(entry.plan(call.messages), call.max_tokens, **call.options)
-            try:
-                gen = await (asyncio.wait_for(reply, self.timeout) if self.timeout is not None else reply)
-            except asyncio.TimeoutError:
-                raise TimeoutError(self._timeout_message()) from None
-            turn = entry.commit(call.messages, gen)
-        finally:
-            entry.release()
-        return self._result(gen, turn, call.key)
+        call = parse_call(self, messages, stop, kwargs)
+        gen, turn = await self.conversations.adrive(call.key, lambda e: ops.respond(e, call.messages, call.max_tokens,
+                                                                                    call.options))
+        return chat_result(self.model, gen, turn, call.key)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        call = self._call(messages, stop, kwargs)
-        deadline = time.monotonic() + self.timeout if self.timeout is not None else None
-        entry = self._acquire(call.key)
+        call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
+        entry = self.conversations.enter(call.key)
         try:
             with entry.live.stream(call.max_tokens, segments=entry.plan(call.messages), **call.options) as stream:
                 for piece in stream:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError(self._timeout_message())  # leaving the block rolls the turn back
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-            gen = self._finished(stream.result)
-            turn = entry.commit(call.messages, gen)
+                    yield self._piece(piece, deadline)  # past the deadline: leaving the block rolls the turn back
+            yield last_chunk(self.model, call, stream.result, entry)
         finally:
-            entry.release()
-        yield self._last_chunk(gen, turn, call.key)
+            entry.lock.release()
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        call = self._call(messages, stop, kwargs)
-        deadline = time.monotonic() + self.timeout if self.timeout is not None else None
-        entry = await self._aacquire(call.key)
+        call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
+        entry = await self.conversations.aenter(call.key)
         try:
             segments = entry.plan(call.messages)
-            async with entry.asession().astream(call.max_tokens, segments=segments, **call.options) as stream:
+            async with AsyncSession(entry.live).astream(call.max_tokens, segments=segments, **call.options) as stream:
                 async for piece in stream:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError(self._timeout_message())
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-            gen = self._finished(stream.result)
-            turn = entry.commit(call.messages, gen)
+                    yield self._piece(piece, deadline)
+            yield last_chunk(self.model, call, stream.result, entry)
         finally:
-            entry.release()
-        yield self._last_chunk(gen, turn, call.key)
+            entry.lock.release()
 
-    @staticmethod
-    def _finished(result: Generation | None) -> Generation:
-        if result is None:  # pragma: no cover - a stream that ended without error always has its result
-            raise KVAgentError("the stream ended without a result (internal error)")
-        return result
+    def _piece(self, piece: str, deadline: float | None) -> ChatGenerationChunk:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(self.conversations.timeout_message())
+        return ChatGenerationChunk(message=AIMessageChunk(content=piece))
 
-    def _timeout_message(self) -> str:
-        return (f"ChatKVAgent call took longer than timeout={self.timeout}s: cancelled and rolled back; raise the "
-                "timeout or lower max_tokens")
+    # -- engines and sessions (``langchain_kvagent.conversations``) ---------------------------------
+    def model_post_init(self, context: Any) -> None:
+        self._conversations = Conversations(self)
 
-    def _metadata(self, gen: Generation, turn: Turn, key: str) -> dict[str, Any]:
-        return {"model_name": self.model, "finish_reason": gen.finish_reason, "session_id": key,
-                "reused": turn.reused, "computed": turn.computed, "transplanted": turn.transplanted,
-                "ttft_s": round(turn.ttft_s, 6)}
-
-    def _result(self, gen: Generation, turn: Turn, key: str) -> ChatResult:
-        message = AIMessage(content=gen.text, usage_metadata=usage_metadata(turn),
-                            response_metadata=self._metadata(gen, turn, key))
-        info = {"finish_reason": gen.finish_reason}
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
-
-    def _last_chunk(self, gen: Generation, turn: Turn, key: str) -> ChatGenerationChunk:
-        message = AIMessageChunk(content="", usage_metadata=usage_metadata(turn),
-                                 response_metadata=self._metadata(gen, turn, key), chunk_position="last")
-        return ChatGenerationChunk(message=message, generation_info={"finish_reason": gen.finish_reason})
-
-    # -- engines and sessions -----------------------------------------------------------------------
-    def _slot(self) -> EngineSlot:
-        return slot(EngineKey(self.model, self.n_ctx, self.n_seq_max, self.n_gpu_layers, self.capture))
+    conversations = property(lambda self: self._conversations, doc="This chat model's sessions and the drivers of "
+                             "its operations (``langchain_kvagent.conversations``).")
 
     def load_engine(self) -> Engine:
         """The kvagent :class:`~kvagent.engine.Engine` this chat model runs on (shared; loaded on first use)."""
-        return self._slot().load()
-
-    def _entry(self, key: str) -> SessionEntry:
-        found = self._slot()
-        if self._finalizer is None:  # once this chat model is gone its sessions are the first to close
-            self._finalizer = weakref.finalize(self, found.orphan, self._owner)
-        return found.entry(self._owner, key, lambda: SessionEntry(
-            self._owner, key, tuple(self.fields), {spec.name: spec.initial for spec in self.fields},
-            eviction=self.eviction))
-
-    def _open(self, entry: SessionEntry) -> None:
-        """Open ``entry``'s session (loading the engine, resolving the chat model's skills on first use).
-        Call while holding the entry's lock."""
-        found = self._slot()
-        found.load()
-        if entry.prologue is None:
-            policy = [Segment.policy(self.policy, id="chat-model-policy")] if self.policy else []
-            skills = [self._skill_segment(spec, path) for spec, path in self._files(self.skills)]
-            entry.prologue = [*policy, *skills]
-        found.open(entry, edit_strategy=self.edit_strategy)
-
-    def _acquire(self, key: str) -> SessionEntry:
-        """The entry of session ``key``, locked and open; the caller releases it."""
-        entry = self._entry(key).acquire()
-        try:
-            if entry.session is None or entry.session.closed:
-                self._open(entry)
-        except BaseException:
-            entry.release()
-            raise
-        return entry
-
-    async def _aacquire(self, key: str) -> SessionEntry:
-        """:meth:`_acquire`, awaited (loading the model and opening the session in a thread, not on the loop)."""
-        entry = await self._entry(key).aacquire()
-        try:
-            if entry.session is None or entry.session.closed:
-                await asyncio.to_thread(self._open, entry)
-        except BaseException:
-            entry.release()
-            raise
-        return entry
-
-    @contextmanager
-    def _locked(self, key: str) -> Iterator[SessionEntry]:
-        entry = self._acquire(key)
-        try:
-            yield entry
-        finally:
-            entry.release()
-
-    @asynccontextmanager
-    async def _alocked(self, key: str) -> AsyncIterator[SessionEntry]:
-        entry = await self._aacquire(key)
-        try:
-            yield entry
-        finally:
-            entry.release()
+        return self.conversations.engine()
 
     def session(self, key: str | None = None) -> Session:
-        """The kvagent :class:`~kvagent.session.Session` of session ``key`` (default: this model's default one).
-
-        Raises :class:`UnknownSessionError` when this chat model has not opened that session (or closed it to
-        free a sequence)."""
-        key = DEFAULT_SESSION if key is None else str(key)
-        found = self._slot().find(self._owner, key)
-        if found is None or found.session is None or found.session.closed:
-            open_ = ", ".join(repr(k) for k in self.session_ids()) or "none"
-            reason = ("it was closed to free a sequence for another (raise n_seq_max to keep more open); it "
-                      "reopens on its next call") if found is not None else "sessions open on their first call"
-            raise UnknownSessionError(
-                f"no open session {key!r} on this ChatKVAgent: {reason}, e.g. model.invoke(messages, "
-                f"session_id={key!r}); open sessions: {open_}")
-        return found.session
+        """The kvagent :class:`~kvagent.session.Session` of session ``key`` (default: this model's default one);
+        :class:`UnknownSessionError` when this chat model has not opened it (or closed it to free a sequence)."""
+        return self.conversations.session(key)
 
     def session_ids(self) -> list[str]:
         """Keys of this chat model's open sessions."""
-        found = self._slot()
-        return [k for k in found.keys(self._owner) if (e := found.find(self._owner, k)) and e.session is not None]
+        return self.conversations.ids()
 
     def messages(self, key: str | None = None) -> list[BaseMessage]:
         """The history session ``key`` holds (its messages and the replies it generated), as LangChain messages."""
-        found = self._slot().find(self._owner, DEFAULT_SESSION if key is None else str(key))
-        return [to_langchain(m) for m in found.log.messages] if found is not None else []
+        return self.conversations.messages(key)
 
     def turns(self, key: str | None = None) -> list[Turn]:
         """What each generation on session ``key`` cost, oldest first."""
-        found = self._slot().find(self._owner, DEFAULT_SESSION if key is None else str(key))
-        return list(found.turns) if found is not None else []
+        return self.conversations.turns(key)
 
     def last_turn(self, key: str | None = None) -> Turn | None:
         """What the latest generation on session ``key`` cost (None before the first)."""
-        turns = self.turns(key)
-        return turns[-1] if turns else None
+        return next(reversed(self.turns(key)), None)
 
     def close_session(self, key: str | None = None) -> bool:
         """Close session ``key`` and forget its conversation; False if it was not open."""
-        return self._slot().close_entry(self._owner, DEFAULT_SESSION if key is None else str(key))
+        return self.conversations.close(key)
 
-    # -- fields ---------------------------------------------------------------------------------------
-    def _checked(self, changes: Mapping[str, object]) -> dict[str, object]:
-        specs = {spec.name: spec for spec in self.fields}
-        unknown = [name for name in changes if name not in specs]
-        if unknown:
-            declared = ", ".join(sorted(specs)) or "none"
-            raise UndeclaredFieldError(
-                f"field {unknown[0]!r} is not declared on this ChatKVAgent (declared: {declared}): add "
-                f"FieldSpec(name={unknown[0]!r}, initial=...) to ChatKVAgent(fields=[...])")
-        return {name: specs[name].check(value) for name, value in changes.items()}
-
+    # -- fields, skills, eviction, save and load: one operation each, a sync and an async driver ------
     def field_values(self, session_id: str | None = None) -> dict[str, object]:
         """Current value of each declared field in a session (initial values before its first call)."""
-        found = self._slot().find(self._owner, DEFAULT_SESSION if session_id is None else str(session_id))
-        if found is None:
-            return {spec.name: spec.initial for spec in self.fields}
-        return found.field_values()
+        found = self.conversations.find(session_id)
+        return found.field_values() if found is not None else {spec.name: spec.initial for spec in self.fields}
 
     def set_fields(self, changes: Mapping[str, object], *, session_id: str | None = None) -> EditReport | None:
         """Change declared fields of a session: one ``set_many`` (``edit_strategy``, auto by default) once it
         holds a conversation; before that the values simply render into its first prompt (returns None)."""
-        checked = self._checked(changes)
-        with self._locked(DEFAULT_SESSION if session_id is None else str(session_id)) as entry:
-            changed = {k: v for k, v in checked.items() if entry.field_values().get(k) != v}
-            if not changed:
-                return None
-            if entry.fresh:
-                entry.values.update(changed)
-                return None
-            report = entry.live.set_many(changed)
-            entry.charge(report.computed)
-            return report
+        checked = ops.check_fields(self.fields, changes)
+        return self.conversations.drive(session_id, lambda e: ops.set_fields(e, checked))  # type: ignore
 
     async def aset_fields(self, changes: Mapping[str, object], *, session_id: str | None = None) -> EditReport | None:
-        """:meth:`set_fields`, awaited."""
-        checked = self._checked(changes)
-        async with self._alocked(DEFAULT_SESSION if session_id is None else str(session_id)) as entry:
-            changed = {k: v for k, v in checked.items() if entry.field_values().get(k) != v}
-            if not changed:
-                return None
-            if entry.fresh:
-                entry.values.update(changed)
-                return None
-            report = await entry.asession().aset_many(changed)
-            entry.charge(report.computed)
-            return report  # type: ignore[no-any-return]
-
-    # -- skills ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _files(paths: Sequence[str | Path]) -> list[tuple[SkillSpec, Path]]:
-        """(spec, file) of every skill in ``paths`` (files, or folders of ``*.yaml``/``*.yml``)."""
-        files: list[Path] = []
-        for p in map(Path, paths):
-            files += sorted([*p.glob("*.yaml"), *p.glob("*.yml")]) if p.is_dir() else [p]
-        return list(zip(load_skills(files), files))
+        checked = ops.check_fields(self.fields, changes)  # refused before the lock is awaited
+        return await self.conversations.adrive(session_id, lambda e: ops.set_fields(e, checked))  # type: ignore
 
     def skill_catalog(self) -> dict[str, tuple[SkillSpec, Path]]:
         """Skills known by name: those of ``skills`` and ``skill_dirs`` (read once)."""
         if self._catalog is None:
-            self._catalog = {spec.name: (spec, path) for spec, path in self._files([*self.skills, *self.skill_dirs])}
+            self._catalog = {spec.name: (spec, path) for spec, path in skill_files([*self.skills, *self.skill_dirs])}
         return self._catalog
 
-    def _skill(self, skill: str | Path | SkillSpec) -> tuple[SkillSpec, Path | None]:
-        if isinstance(skill, SkillSpec):
-            return skill, None
-        catalog = self.skill_catalog()
-        if str(skill) in catalog:
-            return catalog[str(skill)]
-        path = Path(skill)
-        if path.suffix in (".yaml", ".yml") or path.exists():
-            return load_skill(path), path
-        names = ", ".join(sorted(catalog)) or "none"
-        raise UnknownSkillError(f"no skill named {str(skill)!r} (known: {names}): give a YAML path, or add its file "
-                                "or folder to ChatKVAgent(skill_dirs=[...])")
-
-    def _skill_segment(self, spec: SkillSpec, path: Path | None) -> Segment:
-        """``spec``'s segment, checked compiled for the model (or compiled, with ``compile_skills``)."""
-        found = self._slot()
-
-        def resolve() -> Segment:
-            engine = found.load()
-            renderer, library = engine.renderer(True), engine.skills
-            if self.compile_skills:
-                return library.segment(spec, renderer)
-            tokens = renderer.segment_tokens(spec.segment())
-            if library.lookup(tokens) is None and not library.store.has(library.key(library.sink(renderer), tokens)):
-                where = str(path) if path is not None else "SKILL.yaml"
-                raise SkillNotCompiledError(
-                    f"skill {spec.name!r} is not compiled for {engine.model.name}: run `kvagent skills compile {where} "
-                    f"--model {self.model}` once, or construct ChatKVAgent(..., compile_skills=True)")
-            return spec.segment()
-
-        return found.on_worker(resolve)
-
-    def _include(self, entry: SessionEntry, skill: str | Path | SkillSpec) -> tuple[SkillSpec, Segment] | None:
-        spec, path = self._skill(skill)
-        if any(s.name == spec.name for s in [*(entry.prologue or []), *entry.skills]):
-            return None  # already in the prompt
-        return spec, self._skill_segment(spec, path)
+    def _include(self, skill: str | Path | SkillSpec) -> Any:
+        spec, path = find_skill(self.skill_catalog(), skill)
+        return lambda entry: ops.include(entry, spec, lambda: self.conversations.skill_segment(spec, path))
 
     def include_skill(self, skill: str | Path | SkillSpec, *, session_id: str | None = None) -> bool:
         """Place a skill (a name from ``skills``/``skill_dirs``, a YAML path or a spec) in a session: in the
         prompt's head before its first call, else at its end (transplanted when compiled). False if it is
         already there."""
-        with self._locked(DEFAULT_SESSION if session_id is None else str(session_id)) as entry:
-            found = self._include(entry, skill)
-            if found is None:
-                return False
-            spec, segment = found
-            if not entry.fresh:
-                report = entry.live.include(spec)
-                entry.charge(report.computed, report.transplanted)
-            entry.skills.append(segment)
-            return True
+        return self.conversations.drive(session_id, self._include(skill))  # type: ignore[no-any-return]
 
     async def ainclude_skill(self, skill: str | Path | SkillSpec, *, session_id: str | None = None) -> bool:
-        """:meth:`include_skill`, awaited."""
-        async with self._alocked(DEFAULT_SESSION if session_id is None else str(session_id)) as entry:
-            found = await asyncio.to_thread(self._include, entry, skill)
-            if found is None:
-                return False
-            spec, segment = found
-            if not entry.fresh:
-                report = await entry.asession().ainclude(spec)
-                entry.charge(report.computed, report.transplanted)
-            entry.skills.append(segment)
-            return True
+        return await self.conversations.adrive(session_id, self._include(skill))  # type: ignore[no-any-return]
 
-    # -- eviction, save, load -------------------------------------------------------------------------
-    async def aset_eviction(self, eviction: Eviction | None, *, session_id: str | None = None) -> None:
-        """Give a session another eviction policy (or none): a new session with it takes over the prompt,
-        starting from the old one's cached prefix. Refused (nothing changed) when the policy is invalid."""
+    def _eviction(self, eviction: Eviction | None) -> Any:
         if eviction is not None:
             self._check_eviction(eviction)
-        async with self._alocked(DEFAULT_SESSION if session_id is None else str(session_id)) as entry:
-            old, log_, before = entry.live, entry.log, entry.eviction
-            entry.eviction = eviction
-            try:
-                await asyncio.to_thread(self._slot().open, entry, edit_strategy=self.edit_strategy)
-            except BaseException:
-                entry.eviction, entry.session = before, old
-                raise
-            entry.log = log_
-            try:
-                if old.segments:
-                    await entry.asession().areplace(old.segments)
-            except BaseException:
-                new, entry.session, entry.eviction = entry.live, old, before
-                await asyncio.to_thread(new.close)
-                raise
-            await asyncio.to_thread(old.close)
+        slot, strategy = self.conversations.slot(), self.edit_strategy
+        return lambda e: ops.set_eviction(e, eviction, lambda: slot.open(e, edit_strategy=strategy))
+
+    def set_eviction(self, eviction: Eviction | None, *, session_id: str | None = None) -> None:
+        """Give a session another eviction policy (or none): a new session with it takes over the prompt,
+        starting from the old one's cached prefix. Refused (nothing changed) when the policy is invalid."""
+        self.conversations.drive(session_id, self._eviction(eviction))
+
+    async def aset_eviction(self, eviction: Eviction | None, *, session_id: str | None = None) -> None:
+        await self.conversations.adrive(session_id, self._eviction(eviction))
+
+    def save_session(self, path: str | Path, *, session_id: str | None = None) -> int:
+        """Write a session (its KV, prompt and history: ``kvagent.sessions.Snapshot``) to ``path``; returns the
+        bytes written."""
+        return self.conversations.drive(session_id, lambda e: ops.save(e, Path(path)))  # type: ignore[no-any-return]
 
     async def asave_session(self, path: str | Path, *, session_id: str | None = None) -> int:
-        """Write a session (its KV, prompt and history) to ``path``; returns the bytes written."""
-        async with self._alocked(DEFAULT_SESSION if session_id is None else str(session_id)) as entry:
-            blob = await entry.asession().asave()
-            return snapshot.write(Path(path), blob, entry.live.segments, entry.log.messages,
-                                  [s.name for s in entry.skills if s.name])
+        return await self.conversations.adrive(session_id, lambda e: ops.save(e, Path(path)))  # type: ignore
+
+    def load_session(self, path: str | Path, *, session_id: str | None = None) -> None:
+        """Restore a session written by :meth:`save_session` (same model; checked before anything changes)."""
+        self.conversations.drive(session_id, lambda e: ops.load(e, Path(path)))
 
     async def aload_session(self, path: str | Path, *, session_id: str | None = None) -> None:
-        """Restore a session written by :meth:`asave_session` (same model; checked before anything changes)."""
-        blob, segments, messages, skill_names = snapshot.read(Path(path))
-        async with self._alocked(DEFAULT_SESSION if session_id is None else str(session_id)) as entry:
-            await entry.asession().arestore(blob, segments)
-            entry.log.commit(messages)
-            entry.skills = [s for s in segments if s.name in skill_names and s.kind.value == "skill"]
-            entry.pending_computed = entry.pending_transplanted = 0
+        await self.conversations.adrive(session_id, lambda e: ops.load(e, Path(path)))
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return time.monotonic() + timeout if timeout is not None else None
 
 
 __all__ = ["DEFAULT_SESSION", "ChatKVAgent", "to_chat_messages", "to_langchain", "usage_metadata"]

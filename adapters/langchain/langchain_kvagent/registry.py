@@ -1,11 +1,12 @@
 """Process-wide engines, and the sessions chat models open on them.
 
 One :class:`EngineSlot` per :class:`EngineKey` (model and engine settings); its engine loads on first use,
-so constructing a chat model never loads weights. A slot holds every session that chat models opened on its
-engine, as :class:`SessionEntry` keyed by (owner, session key): each chat model instance is one owner, so
-two instances never share a conversation. When the engine runs short of free sequences (one is kept free
-for skill transplants), the least recently used idle session is closed; its entry stays, with its field
-values and skills, and its conversation is rebuilt from the history the client resends on its next call.
+so constructing a chat model never loads weights. A slot keeps the sessions chat models opened on its engine
+in kvagent's :class:`~kvagent.sessions.SessionTable`, as :class:`SessionEntry` keyed by (owner, session key):
+each chat model instance is one namespace, so two instances never share a conversation. When the engine runs
+short of free sequences (one is kept free for skill transplants and KV splices), the least recently used idle
+session is closed (those of collected chat models first); its entry stays, with its field values and skills,
+and its conversation is rebuilt from the history the client resends on its next call.
 
 Invariant: an entry's :class:`~kvagent.messages.MessageLog` describes the message segments its session
 holds, because every change the adapter makes to a session happens while holding the entry's lock.
@@ -13,18 +14,16 @@ holds, because every change the adapter makes to a session happens while holding
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Sequence
 
-from kvagent.aio import AsyncSession
 from kvagent.engine import Engine
 from kvagent.messages import ChatMessage, MessageLog, is_message_segment
 from kvagent.segments import Segment
+from kvagent.sessions import NoRoom, OrphansFirst, SessionTable, TableEntry
 
 if TYPE_CHECKING:
     from kvagent.eviction import Eviction
@@ -33,11 +32,6 @@ if TYPE_CHECKING:
     from kvagent.session import Session
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-# sequences kept free when a session opens: one for the new session's own work, one scratch sequence
-# for skill transplants and KV splices
-_KEEP_FREE = 2
 
 
 @dataclass(frozen=True)
@@ -92,66 +86,32 @@ class Turn:
                    gen.finish_reason, gen.ttft_s, gen.total_s)
 
 
-@dataclass
-class SessionEntry:
-    """One conversation of one chat model: its session (None while closed) and what rebuilds it.
+@dataclass(eq=False)
+class SessionEntry(TableEntry):
+    """One conversation of one chat model (namespace: the chat model, key: the session key): its session (None
+    while closed) and what rebuilds it.
 
     ``prologue``: the chat model's own policy and skill segments (resolved once); ``skills``: skills
     included later; ``values``: field values a fresh prompt renders (a session holding a conversation
     keeps its own, errata included).
     """
 
-    owner: str
-    key: str
-    specs: tuple[FieldSpec, ...]
-    values: dict[str, object]
+    specs: tuple[FieldSpec, ...] = ()
+    values: dict[str, object] = field(default_factory=dict)
     prologue: list[Segment] | None = None
     skills: list[Segment] = field(default_factory=list)
     eviction: Eviction | None = None
-    session: Session | None = None
     log: MessageLog = field(default_factory=MessageLog)
     turns: list[Turn] = field(default_factory=list)
     pending_computed: int = 0
     pending_transplanted: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    orphaned: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    # -- the lock: every adapter change to the session happens while holding it -------------------
-    # (acquire / release pairs, not context-manager generators: an async generator abandoned mid-stream is
-    # closed by the event loop's finalizer, where nested generator-based context managers misbehave)
-    def acquire(self) -> SessionEntry:
-        self._lock.acquire()
-        self.last_used = time.monotonic()
-        return self
-
-    async def aacquire(self) -> SessionEntry:
-        """The lock, awaited: taken at once when free, else in a thread (the loop never blocks on it)."""
-        if not self._lock.acquire(blocking=False):
-            waiting = asyncio.get_running_loop().run_in_executor(None, self._lock.acquire)
-            try:
-                await asyncio.shield(waiting)
-            except asyncio.CancelledError:  # the thread still gets the lock: hand it back then
-                waiting.add_done_callback(lambda _: self._lock.release())
-                raise
-        self.last_used = time.monotonic()
-        return self
-
-    def try_acquire(self) -> bool:
-        return self._lock.acquire(blocking=False)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    # -- the prompt ------------------------------------------------------------------------------
     @property
     def live(self) -> Session:
+        """The open session (only while holding the lock, once opened)."""
         if self.session is None or self.session.closed:
             raise RuntimeError("session entry used while closed (internal error)")
         return self.session
-
-    def asession(self) -> AsyncSession:
-        return AsyncSession(self.live, self.live._scheduler)
 
     @property
     def fresh(self) -> bool:
@@ -182,24 +142,36 @@ class SessionEntry:
         self.pending_computed += computed
         self.pending_transplanted += transplanted
 
-    def forget(self) -> None:
-        """The session was closed: keep what rebuilds the prompt, drop what described its cache."""
-        if self.session is not None and not self.fresh:
-            self.values.update({k: v for k, v in self.session.field_values.items() if k in self.values})
+    def forget(self) -> Session | None:
+        """Keep what rebuilds the prompt, drop what describes the cache; returns the session to close."""
+        session = self.session
+        if session is not None and not self.fresh:
+            self.values.update({k: v for k, v in session.field_values.items() if k in self.values})
         self.session = None
         self.log = MessageLog()
         self.pending_computed = self.pending_transplanted = 0
+        return session
+
+
+class ForgetParking:
+    """A reclaimed conversation is closed and rebuilt from the history its client resends (entries of a
+    collected chat model are forgotten)."""
+
+    def park(self, entry: SessionEntry) -> bool:
+        session = entry.forget()
+        if session is not None:
+            session.close()
+        return entry.orphaned
 
 
 class EngineSlot:
-    """One engine (loaded on first use) and the session entries on it."""
+    """One engine (loaded on first use) and the session table on it."""
 
     def __init__(self, key: EngineKey) -> None:
         self.key = key
         self.engine: Engine | None = None
+        self._table: SessionTable[SessionEntry] | None = None
         self._load_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._entries: dict[tuple[str, str], SessionEntry] = {}
 
     @property
     def loaded(self) -> bool:
@@ -210,92 +182,62 @@ class EngineSlot:
         if self.engine is None:
             with self._load_lock:
                 if self.engine is None:
-                    self.engine = self.key.load()
-                    log.info("loaded %s for the LangChain adapter (%s)", self.engine.model.name, self.key)
+                    engine = self.key.load()
+                    self._table = SessionTable(engine, strategy=OrphansFirst(), parking=ForgetParking(), spare=1)
+                    self.engine = engine
+                    log.info("loaded %s for the LangChain adapter (%s)", engine.model.name, self.key)
         return self.engine
 
-    def on_worker(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the engine's worker thread, in line with every other native call."""
-        def work() -> Iterator[None]:
-            return fn()  # type: ignore[return-value]
-            yield  # pragma: no cover
-        engine = self.load()
-        return engine.scheduler.run(None, work())  # type: ignore[arg-type, no-any-return]
+    @property
+    def table(self) -> SessionTable[SessionEntry]:
+        """The sessions on the engine (loading it)."""
+        self.load()
+        assert self._table is not None  # set with the engine
+        return self._table
 
     # -- entries -----------------------------------------------------------------------------------
     def find(self, owner: str, key: str) -> SessionEntry | None:
-        return self._entries.get((owner, key))
-
-    def entry(self, owner: str, key: str, make: Callable[[], SessionEntry]) -> SessionEntry:
-        with self._lock:
-            found = self._entries.get((owner, key))
-            if found is None:
-                found = self._entries[(owner, key)] = make()
-            return found
+        return self._table.get(owner, key) if self._table is not None else None
 
     def keys(self, owner: str) -> list[str]:
-        return [k for (o, k) in self._entries if o == owner]
+        return self._table.keys(owner) if self._table is not None else []
 
     def open(self, entry: SessionEntry, *, edit_strategy: str) -> Session:
         """Open ``entry``'s session (empty prompt), closing idle ones first when sequences run short.
         Call while holding ``entry``'s lock."""
-        engine = self.load()
-        while engine.pool.free < _KEEP_FREE and self._reclaim_one():
+        engine, table = self.load(), self.table
+        try:
+            table.make_room(sequences=1, keep=entry)
+        except NoRoom:  # every other session is working: the last sequences go to this one (no scratch left)
             pass
         entry.session = engine.session([], fields=entry.specs, edit_strategy=edit_strategy, eviction=entry.eviction)
         entry.log = MessageLog()
         return entry.session
 
-    def _reclaim_one(self) -> bool:
-        """Close the least recently used idle session (orphaned ones first); False if none is idle."""
-        with self._lock:
-            candidates = sorted((e for e in self._entries.values() if e.session is not None),
-                                key=lambda e: (not e.orphaned, e.last_used))
-        for entry in candidates:
-            if not entry.try_acquire():
-                continue  # in use right now
-            try:
-                if entry.session is None:
-                    continue
-                log.info("closing idle session %r to free a sequence (n_seq_max=%d)", entry.key, self.key.n_seq_max)
-                session = entry.session
-                entry.forget()
-                session.close()
-                if entry.orphaned:
-                    with self._lock:
-                        self._entries.pop((entry.owner, entry.key), None)
-                return True
-            finally:
-                entry.release()
-        return False
-
     def close_entry(self, owner: str, key: str) -> bool:
         """Close and forget one session; False if there is none."""
-        with self._lock:
-            entry = self._entries.pop((owner, key), None)
+        entry = self.find(owner, key)
         if entry is None:
             return False
-        entry.acquire()
+        self.table.remove(entry)
+        entry.lock.acquire()
         try:
-            if entry.session is not None:
-                session = entry.session
-                entry.forget()
+            session = entry.forget()
+            if session is not None:
                 session.close()
         finally:
-            entry.release()
+            entry.lock.release()
         return True
 
     def orphan(self, owner: str) -> None:
         """``owner`` is gone: its sessions are the first to close. Safe from a finalizer (takes no lock)."""
-        for entry in list(self._entries.values()):
-            if entry.owner == owner:
-                entry.orphaned = True
+        if self._table is not None:
+            self._table.orphan(owner)
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-            self.engine = None
-        self._entries.clear()
+            self.engine, self._table = None, None
 
 
 _slots: dict[EngineKey, EngineSlot] = {}

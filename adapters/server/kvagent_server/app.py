@@ -29,43 +29,16 @@ from kvagent.aio import AsyncEngine
 from kvagent.errors import (ChatTemplateError, ContextOverflowError, EvictionError, FieldValueError, KVAgentError,
                             KVBlobError, KVCacheFullError, SegmentOrderError, SessionClosedError, SkillFileError)
 from kvagent.scheduler import EngineClosedError
-from kvagent.skills.spec import SkillSpec, load_skill
 
 from kvagent_server import chat, sessions_api
 from kvagent_server.config import ServerConfig
-from kvagent_server.errors import Busy, ServerError
+from kvagent_server.errors import Busy, ServerError, error_body
 from kvagent_server.metrics import Metrics
 from kvagent_server.schemas import SESSION_ID, ChatRequest, FieldsSet, SessionCreate, SkillInclude
-from kvagent_server.sessions import SessionManager
+from kvagent_server.state import ServerState
 
 log = logging.getLogger(__name__)
 UNPROCESSABLE = (FieldValueError, SegmentOrderError, EvictionError, SkillFileError, ChatTemplateError, KVBlobError)
-
-
-class ServerState:
-    """What the routes share: the engine, the sessions, the skills, the metrics."""
-
-    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: Metrics, park_dir: Path) -> None:
-        self.config, self.engine, self.metrics = config, engine, metrics
-        core = engine.engine
-        self.model_id = config.model if not config.model.endswith(".gguf") else core.model.name
-        self.model_ids = {self.model_id, config.model, core.model.name}
-        self.fingerprint = f"kvagent-{core.fingerprint[:16]}"
-        self.renderer = core.renderer(True)
-        self.skills: dict[str, SkillSpec] = load_skills(config.skills_dir)
-        reserve = 1 if self.skills and core.settings.n_seq_max > 1 else 0  # a scratch sequence for transplants
-        self.sessions = SessionManager(engine, metrics, park_dir, reserve=reserve, max_parked=config.max_parked,
-                                       retry_after_s=config.retry_after_s)
-
-
-def load_skills(folder: Path | None) -> dict[str, SkillSpec]:
-    """The skills of ``folder`` (``*.yaml``, ``*.yml``) by name; a bad file fails start-up, naming it."""
-    if folder is None:
-        return {}
-    if not folder.is_dir():
-        raise SkillFileError(f"--skills {folder}: not a folder")
-    specs = [load_skill(p) for p in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])]
-    return {spec.name: spec for spec in specs}
 
 
 def create_app(config: ServerConfig | None = None, *, engine: AsyncEngine | None = None) -> FastAPI:
@@ -170,10 +143,6 @@ def _routes(app: FastAPI) -> None:
     async def delete_session(request: Request, sid: str = session_id) -> Response:
         await _state(request).sessions.delete(sid)
         return Response(status_code=204)
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _errors(app: FastAPI, metrics: Metrics) -> None:

@@ -27,14 +27,13 @@ from kvagent.aio import AsyncGenerationStream
 from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
-from kvagent.segments import Segment, common_prefix
+from kvagent.segments import Segment
 
 from kvagent_server.errors import InvalidRequest, NotFound
 from kvagent_server.schemas import ChatRequest
+from kvagent_server.state import ServerState
 from kvagent_server.sessions import Entry
 
-if TYPE_CHECKING:
-    from kvagent_server.app import ServerState
 
 log = logging.getLogger(__name__)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -84,39 +83,19 @@ def check_request(state: ServerState, body: ChatRequest) -> list[ChatMessage]:
     return messages
 
 
-def plan(entry: Entry, messages: list[ChatMessage]) -> list[Segment]:
-    """The prompt for ``messages``: ``MessageLog.plan``, except that a session holding only the server's own
-    segments (policy, fields, errata, skills) and no message yet gets the messages appended after them,
-    errata included, instead of a rebuild (which would fold the errata back into the fields)."""
-    assert entry.session is not None
-    return entry.log.plan(list(entry.session.segments), messages, entry.static)
-
-
 def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: ChatRequest) -> tuple[Turn, int]:
     """The checked turn and the KV cells it may add; 413 when the prompt leaves no room for a reply."""
-    assert entry.session is not None
-    segments = plan(entry, messages)
-    resolved = [entry.turns.resolve(s) for s in segments]
-    tokens = state.renderer.render([*resolved, Segment.reply()]).tokens  # SegmentOrderError -> 422
-    closing = state.renderer.closing_length("assistant") + 1
+    session = entry.session
+    if session is None:  # pragma: no cover - the request holds an active entry
+        raise KVAgentError("chat request on a parked session (internal error)")
+    # MessageLog.plan: a session holding only the server's own segments (policy, fields, errata, skills) and no
+    # message yet gets the messages appended after them, errata included, instead of a rebuild
+    segments = entry.log.plan(list(session.segments), messages, entry.static)
     wanted = body.max_completion_tokens or body.max_tokens or state.config.default_max_tokens
-    n_ctx = state.sessions.n_ctx
-    if entry.options.eviction is None:
-        room = n_ctx - len(tokens) - closing
-        if room < 1:
-            raise ContextOverflowError(
-                f"the prompt is {len(tokens)} tokens and the context {n_ctx}: no room for a reply; shorten the "
-                "messages or start a new session (nothing was changed)")
-        max_tokens = min(wanted, room)
-    else:
-        max_tokens = wanted
-    cached = common_prefix(entry.session.tokens, tokens)
-    cells = len(tokens) - cached + max_tokens + closing
-    if entry.options.eviction is not None:
-        cells = min(cells, entry.options.eviction.budget + entry.options.eviction.chunk + closing)
+    room = session.fit(segments, wanted)  # ContextOverflowError -> 413, SegmentOrderError -> 422
     sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                 "stop": body.stops()}
-    return Turn(messages, segments, len(tokens), max_tokens, sampling), cells
+    return Turn(messages, segments, room.prompt_tokens, room.max_tokens, sampling), room.cells
 
 
 def usage(gen: Generation) -> dict[str, Any]:
@@ -166,8 +145,7 @@ async def complete(state: ServerState, body: ChatRequest, request: Request) -> R
 
 
 async def _generate_unless_gone(state: ServerState, entry: Entry, turn: Turn, request: Request) -> Generation | None:
-    assert entry.session is not None
-    work = asyncio.ensure_future(entry.session.arespond(turn.segments, turn.max_tokens, **turn.sampling))
+    work = asyncio.ensure_future(entry.asession.arespond(turn.segments, turn.max_tokens, **turn.sampling))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -219,8 +197,7 @@ class _TurnStream(EventSourceResponse):
         return {"data": json.dumps(body)}
 
     async def _events(self) -> AsyncIterator[dict[str, str]]:
-        session = self.entry.session
-        assert session is not None
+        session = self.entry.asession
         turn = self.turn
         yield self._chunk({"role": "assistant", "content": ""})
         try:
@@ -234,7 +211,8 @@ class _TurnStream(EventSourceResponse):
             yield {"data": "[DONE]"}
             return
         gen = stream.result
-        assert gen is not None
+        if gen is None:  # pragma: no cover - a stream that ended without error has its result
+            raise KVAgentError("the stream ended without a result (internal error)")
         self._record(gen)
         extra = {"usage": None} if self.include_usage else {}
         yield self._chunk({}, FINISH.get(gen.finish_reason, gen.finish_reason), **extra)

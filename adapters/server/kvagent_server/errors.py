@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
 
 class ServerError(Exception):
     """A refusal with an HTTP status and an OpenAI-style error ``type`` / ``param``."""

@@ -6,9 +6,11 @@ it cannot honour (``n > 1``, tools, logprobs) are refused with 422 naming them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from kvagent.fields import FieldSpec
 
 SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 
@@ -73,18 +75,6 @@ class ChatRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class FieldIn(BaseModel):
-    """A declared field (``kvagent.fields.FieldSpec``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    initial: Any
-    type: Literal["str", "int", "float", "bool"] = "str"
-    allowed: list[Any] | None = None
-    template: str | None = None
-
-
 class EvictionIn(BaseModel):
     """An eviction policy (``kvagent.eviction.Eviction``): policy name, budget J, chunk h."""
 
@@ -95,6 +85,16 @@ class EvictionIn(BaseModel):
     chunk: int = Field(64, ge=1)
 
 
+_TYPES = {bool: "bool", int: "int", float: "float"}
+
+
+def _declarations(value: Any) -> Any:
+    """``{name: initial}`` as the list of declarations it stands for (the type from the value)."""
+    if isinstance(value, dict):
+        return [{"name": k, "initial": v, "type": _TYPES.get(type(v), "str")} for k, v in value.items()]
+    return value
+
+
 class SessionCreate(BaseModel):
     """``POST /v1/sessions``: the prompt is policy, fields, memory, then the skills (transplanted)."""
 
@@ -102,7 +102,8 @@ class SessionCreate(BaseModel):
 
     id: str | None = Field(None, pattern=SESSION_ID)
     policy: str | None = None
-    fields: list[FieldIn] | dict[str, Any] = Field(default_factory=list)
+    fields: Annotated[list[FieldSpec], BeforeValidator(_declarations)] = Field(default_factory=list)
+    """Declared fields (``kvagent.fields.FieldSpec``), or ``{name: initial}`` (the type from the value)."""
     memory: list[str] = Field(default_factory=list)
     skills: list[str] = Field(default_factory=list)
     eviction: EvictionIn | None = None

@@ -1,67 +1,38 @@
 """``/v1/sessions``: create (policy, fields, memory, skills, eviction), read, set fields, include a skill,
 save / restore, delete.
 
-A save is one binary envelope: a JSON header (segments, fields, options, the messages log) and the
-session's checked KV blob (``Session.save``); restoring it, in this process or another one running the
-same model, gives the session back with its cache. A session that ``session.save()`` refuses is saved
-without KV and prefilled again when restored.
+A save is a :class:`kvagent.sessions.Snapshot` (the format every adapter writes): the segments, the messages log,
+the session's checked KV blob (``Session.save``) and, as its ``meta``, the fields, options and the server's own
+segments; restoring it, in this process or another one running the same model, gives the session back with its
+cache. A session that ``session.save()`` refuses is saved without KV and prefilled again when restored.
 """
 
 from __future__ import annotations
 
-import json
-import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
-from kvagent.errors import ContextOverflowError, FieldValueError, KVAgentError, KVBlobError
+from kvagent.errors import ContextOverflowError, KVAgentError, KVBlobError
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
-from kvagent.messages import ChatMessage
 from kvagent.segments import Segment, SegmentKind, segment_from_dict, segment_to_dict
+from kvagent.sessions import Snapshot
 
 from kvagent_server.errors import InvalidRequest, NotFound
-from kvagent_server.schemas import FieldIn, FieldsSet, SessionCreate
+from kvagent_server.schemas import FieldsSet, SessionCreate
+from kvagent_server.state import ServerState
 from kvagent_server.sessions import Entry, SessionOptions, field_values
-
-if TYPE_CHECKING:
-    from kvagent_server.app import ServerState
-
-MAGIC = b"KVAGENT-SESSION\n"
-FORMAT = "kvagent-server-session/1"
-_TYPES = {bool: "bool", int: "int", float: "float"}
 
 
 # -- create ---------------------------------------------------------------------------------------
-def field_specs(fields: list[FieldIn] | dict[str, Any]) -> list[FieldSpec]:
-    """Field specs from a list of declarations or a ``{name: initial}`` mapping (type from the value)."""
-    items = [FieldIn(name=k, initial=v, type=_TYPES.get(type(v), "str")) for k, v in fields.items()] \
-        if isinstance(fields, dict) else fields
-    specs = []
-    for i, f in enumerate(items):
-        data = f.model_dump(exclude_none=True)
-        if "allowed" in data:
-            data["allowed"] = tuple(data["allowed"])
-        try:
-            specs.append(FieldSpec(**data))
-        except FieldValueError as exc:  # the initial value is not one the field allows
-            raise InvalidRequest(f"fields.{i}: {exc}", param=f"fields.{i}") from None
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            raise InvalidRequest(f"fields.{i}{'.' + where if where else ''}: {first.get('msg')}",
-                                 param=f"fields.{i}") from None
-    return specs
-
-
 def options_of(body: SessionCreate, specs: list[FieldSpec]) -> SessionOptions:
     eviction = Eviction(body.eviction.policy, body.eviction.budget, body.eviction.chunk) if body.eviction else None
     return SessionOptions(tuple(specs), eviction, body.edit_strategy)
 
 
 async def create(state: ServerState, body: SessionCreate, key: str) -> dict[str, Any]:
-    specs = field_specs(body.fields)
+    specs = list(body.fields)
     unknown = [(i, name) for i, name in enumerate(body.skills) if name not in state.skills]
     if unknown:
         i, name = unknown[0]
@@ -82,8 +53,7 @@ async def create(state: ServerState, body: SessionCreate, key: str) -> dict[str,
     report: dict[str, Any] = {"reused": 0, "computed": 0, "transplanted": 0, "seconds": 0.0}
     try:
         async with state.sessions.use(key, implicit=False) as entry:
-            session = entry.session
-            assert session is not None
+            session = entry.asession
             if static:
                 _add(report, await state.sessions.with_room(entry, len(state.renderer.render(static).tokens),
                                                             session.aprefill))
@@ -139,8 +109,7 @@ def listing(state: ServerState) -> dict[str, Any]:
 # -- change ---------------------------------------------------------------------------------------
 async def set_fields(state: ServerState, key: str, body: FieldsSet) -> dict[str, Any]:
     async with state.sessions.use(key, implicit=False) as entry:
-        session = entry.session
-        assert session is not None
+        session = entry.asession
         strategy = body.strategy or entry.options.edit_strategy
         if strategy == "erratum":
             growth = sum(len(state.renderer.segment_tokens(Segment.erratum(n, v))) for n, v in body.values.items())
@@ -164,8 +133,7 @@ async def include(state: ServerState, key: str, name: str) -> dict[str, Any]:
                        f"{', '.join(sorted(state.skills)) or 'none (start it with --skills DIR)'}",
                        param="name", code="skill_not_found")
     async with state.sessions.use(key, implicit=False) as entry:
-        session = entry.session
-        assert session is not None
+        session = entry.asession
         report = await state.sessions.with_room(entry, len(state.renderer.segment_tokens(spec.segment())),
                                                 lambda: session.ainclude(spec))
         entry.static.append(session.segments[-1])
@@ -176,8 +144,7 @@ async def include(state: ServerState, key: str, name: str) -> dict[str, Any]:
 # -- save / restore -------------------------------------------------------------------------------
 async def save(state: ServerState, key: str) -> bytes:
     async with state.sessions.use(key, implicit=False) as entry:
-        session = entry.session
-        assert session is not None
+        session = entry.asession
         try:
             blob: bytes | None = await session.asave()
         except KVBlobError:
@@ -185,63 +152,47 @@ async def save(state: ServerState, key: str) -> bytes:
         except KVAgentError:  # save refused: the segments alone, prefilled on restore
             blob = None
         opts = entry.options
-        header = {
-            "format": FORMAT, "model": state.fingerprint, "explicit": entry.explicit,
+        meta = {
+            "model": state.fingerprint, "explicit": entry.explicit,
             "fields": [spec.model_dump(mode="json") for spec in opts.fields],
             "eviction": None if opts.eviction is None else {
                 "policy": str(opts.eviction.policy), "budget": opts.eviction.budget, "chunk": opts.eviction.chunk},
             "edit_strategy": opts.edit_strategy,
             "static": [segment_to_dict(s) for s in entry.static],
-            "segments": [segment_to_dict(s) for s in session.segments],
-            "messages": [{"role": m.role, "content": m.content, "name": m.name} for m in entry.log.messages],
-            "kv": blob is not None,
         }
-    raw = json.dumps(header).encode()
-    return MAGIC + struct.pack(">Q", len(raw)) + raw + (blob or b"")
+        snapshot = Snapshot(tuple(session.segments), tuple(entry.log.messages), blob, meta)
+    return snapshot.to_bytes()
 
 
-def parse_envelope(data: bytes) -> tuple[dict[str, Any], bytes | None]:
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
-        raise InvalidRequest("the body is not a saved kvagent session (POST /v1/sessions/{id}/save makes one)",
-                             param="body")
-    (n,) = struct.unpack(">Q", data[len(MAGIC): len(MAGIC) + 8])
-    start = len(MAGIC) + 8
+def parse_snapshot(data: bytes) -> tuple[Snapshot, SessionOptions, list[Segment]]:
+    """The snapshot, the session options and the server's own segments it holds; 422 naming what is wrong."""
+    snapshot = Snapshot.from_bytes(data, source="the body")  # SnapshotError (a KVBlobError) -> 422
+    meta = snapshot.meta
     try:
-        header = json.loads(data[start: start + n])
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidRequest("the saved session's header is corrupt", param="body") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        found = header.get("format") if isinstance(header, dict) else None
-        raise InvalidRequest(f"unknown saved-session format {found!r}: this server reads {FORMAT}", param="body")
-    blob = data[start + n:] if header.get("kv") else None
-    return header, blob
+        specs = [FieldSpec.model_validate(f) for f in meta.get("fields", [])]
+        ev = meta.get("eviction")
+        options = SessionOptions(tuple(specs), Eviction(ev["policy"], ev["budget"], ev["chunk"]) if ev else None,
+                                 str(meta.get("edit_strategy", "auto")))
+        static = [segment_from_dict(d) for d in meta.get("static", [])]
+    except (KeyError, TypeError, ValueError, ValidationError, KVAgentError) as exc:
+        raise InvalidRequest(f"the saved session's header is invalid: {exc}", param="body") from None
+    return snapshot, options, static
 
 
 async def restore(state: ServerState, key: str, data: bytes) -> dict[str, Any]:
-    header, blob = parse_envelope(data)
-    try:
-        specs = [FieldSpec(**{**f, "allowed": tuple(f["allowed"]) if f.get("allowed") is not None else None})
-                 for f in header.get("fields", [])]
-        ev = header.get("eviction")
-        options = SessionOptions(tuple(specs), Eviction(ev["policy"], ev["budget"], ev["chunk"]) if ev else None,
-                                 header.get("edit_strategy", "erratum"))
-        segments = [segment_from_dict(d) for d in header["segments"]]
-        static = [segment_from_dict(d) for d in header.get("static", [])]
-        messages = [ChatMessage(m["role"], m["content"], m.get("name")) for m in header.get("messages", [])]
-    except (KeyError, TypeError, ValueError, ValidationError) as exc:
-        raise InvalidRequest(f"the saved session's header is invalid: {exc}", param="body") from None
+    snapshot, options, static = parse_snapshot(data)
+    segments, blob = list(snapshot.segments), snapshot.blob
     await state.sessions.create(key, segments, options)
     try:
         async with state.sessions.use(key, implicit=False) as entry:
-            session = entry.session
-            assert session is not None
+            session = entry.asession
             n = len(state.renderer.render(segments).tokens)
             if blob is not None:
                 await state.sessions.with_room(entry, n, lambda: session.arestore(blob, segments))
             else:
                 await state.sessions.with_room(entry, n, lambda: session.areplace(segments))
             entry.static = static
-            entry.log.commit(messages)
+            entry.log.commit(snapshot.messages)
     except BaseException:
         if key in state.sessions.entries:
             await state.sessions.delete(key)

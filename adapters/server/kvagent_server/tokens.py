@@ -10,11 +10,10 @@ package (never downloaded), plus OpenAI's per-message overhead.
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from kvagent.chat_format import compile_template
 from kvagent.errors import ChatTemplateError, KVAgentError
 
 Message = dict[str, Any]
@@ -133,18 +132,7 @@ def counter_for(tokenizer: str | Path | TokenCounter | None) -> TokenCounter:
 
 
 def _compile(template: str) -> Any:
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    compiled = env.from_string(template)
+    compiled = compile_template(template)
 
     def render(messages: list[Message]) -> str:
         return str(compiled.render(messages=messages, add_generation_prompt=True, bos_token=_BOS, eos_token=_EOS))

@@ -55,26 +55,37 @@ def test_route_labels_stay_bounded() -> None:
     assert _route("/v1/sessions/abc/whatever") == "other" and _route("/random/path") == "other"
 
 
-def test_saved_session_envelopes_are_checked() -> None:
+def test_saved_sessions_are_checked_before_anything_changes() -> None:
+    from kvagent.segments import Segment
+    from kvagent.sessions import Snapshot, SnapshotError
     from kvagent_server.errors import InvalidRequest
-    from kvagent_server.sessions_api import MAGIC, parse_envelope
+    from kvagent_server.sessions_api import parse_snapshot
 
-    for data in (b"", b"garbage", MAGIC + b"\x00" * 8 + b"{", MAGIC + (2).to_bytes(8, "big") + b"{}"):
-        with pytest.raises(InvalidRequest):
-            parse_envelope(data)
-    header = b'{"format": "kvagent-server-session/1", "kv": true}'
-    parsed, blob = parse_envelope(MAGIC + len(header).to_bytes(8, "big") + header + b"KV")
-    assert parsed["kv"] is True and blob == b"KV"
+    for data in (b"", b"garbage", Snapshot((Segment.policy("p"),)).to_bytes()[:-3]):
+        with pytest.raises(SnapshotError):
+            parse_snapshot(data)
+    bad_options = Snapshot((Segment.policy("p"),), meta={"eviction": {"policy": "window"}}).to_bytes()
+    with pytest.raises(InvalidRequest, match="header is invalid"):
+        parse_snapshot(bad_options)
+    snapshot, options, static = parse_snapshot(Snapshot((Segment.policy("p"),), blob=b"KV", meta={
+        "fields": [{"name": "tier", "initial": "gold"}], "edit_strategy": "erratum"}).to_bytes())
+    assert snapshot.blob == b"KV" and [f.name for f in options.fields] == ["tier"] and static == []
+    assert options.edit_strategy == "erratum"
 
 
-def test_field_declarations_are_validated_with_their_index() -> None:
-    from kvagent_server.errors import InvalidRequest
-    from kvagent_server.schemas import FieldIn
-    from kvagent_server.sessions_api import field_specs
+@pytest.mark.parametrize(("fields", "where"), [
+    ([{"name": "ok", "initial": "a"}, {"name": "bad name", "initial": "b"}], ("fields", 1, "name")),
+    ([{"name": "tier", "initial": "platinum", "allowed": ["gold"]}], ("fields", 0)),
+    ({"tier": "gold", "bad name": 3}, ("fields", 1, "name")),
+])
+def test_field_declarations_are_validated_with_their_index(fields: object, where: tuple) -> None:
+    """The sessions API takes ``kvagent.fields.FieldSpec`` itself; a bad one is refused where it stands."""
+    from pydantic import ValidationError
 
-    specs = field_specs({"tier": "gold", "count": 3, "vip": True})
+    from kvagent_server.schemas import SessionCreate
+
+    specs = SessionCreate.model_validate({"fields": {"tier": "gold", "count": 3, "vip": True}}).fields
     assert [(s.name, s.type) for s in specs] == [("tier", "str"), ("count", "int"), ("vip", "bool")]
-    with pytest.raises(InvalidRequest, match="fields.1"):
-        field_specs([FieldIn(name="ok", initial="a"), FieldIn(name="bad name", initial="b")])
-    with pytest.raises(InvalidRequest, match="fields.0"):
-        field_specs([FieldIn(name="tier", initial="platinum", allowed=["gold"])])
+    with pytest.raises(ValidationError) as info:
+        SessionCreate.model_validate({"fields": fields})
+    assert any(tuple(e["loc"])[: len(where)] == where for e in info.value.errors()), info.value.errors()

@@ -1,0 +1,154 @@
+"""What ``ChatKVAgent`` does to a conversation, written once for its sync and async methods.
+
+An *operation* is a generator over one locked :class:`~langchain_kvagent.registry.SessionEntry`: it plans, yields
+each step it needs run, and commits what the steps returned. A step is either a unit of session work
+(``kvagent.kv.work``: built from the entry's open session's ``*_work`` verbs, run on that session's queue) or a
+plain callable that blocks (opening a session, compiling a skill, reading a file). :func:`drive` runs the steps in
+the calling thread, :func:`adrive` awaits them (session work on the loop, blocking calls in a thread). A step's
+error is thrown back into the operation, so its own handlers roll back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Callable, Generator, Mapping, Sequence, TypeVar, Union
+
+from kvagent.aio import AsyncSession
+from kvagent.edits.base import EditReport
+from kvagent.eviction import Eviction
+from kvagent.fields import FieldSpec
+from kvagent.kv.work import Work
+from kvagent.messages import ChatMessage
+from kvagent.segments import Segment
+from kvagent.sessions import Snapshot
+from kvagent.skills.spec import SkillSpec
+
+from langchain_kvagent.errors import UndeclaredFieldError
+from langchain_kvagent.registry import SessionEntry, Turn
+
+T = TypeVar("T")
+Step = Union[Work[Any], Callable[[], Any]]
+Operation = Generator[Step, Any, T]
+
+
+def drive(entry: SessionEntry, operation: Operation[T], timeout: float | None = None) -> T:
+    """Run ``operation``'s steps in this thread (session work on ``entry``'s open session, with ``timeout``)."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = operation.throw(error) if error is not None else operation.send(value)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        value, error = None, None
+        try:
+            value = step() if callable(step) else entry.live.run(step, timeout=timeout)
+        except BaseException as exc:  # the operation rolls back (or lets it through)
+            error = exc
+
+
+async def adrive(entry: SessionEntry, operation: Operation[T], timeout: float | None = None) -> T:
+    """:func:`drive`, awaited: session work on the loop, blocking steps in a thread."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = operation.throw(error) if error is not None else operation.send(value)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        value, error = None, None
+        try:
+            if callable(step):
+                value = await asyncio.to_thread(step)
+            else:
+                value = await AsyncSession(entry.live).run(step, timeout=timeout)
+        except BaseException as exc:
+            error = exc
+
+
+def check_fields(specs: Sequence[FieldSpec], changes: Mapping[str, object]) -> dict[str, object]:
+    """``changes`` checked against the chat model's declared ``specs``; an undeclared name is refused with the fix."""
+    declared = {spec.name: spec for spec in specs}
+    unknown = [name for name in changes if name not in declared]
+    if unknown:
+        raise UndeclaredFieldError(
+            f"field {unknown[0]!r} is not declared on this ChatKVAgent (declared: "
+            f"{', '.join(sorted(declared)) or 'none'}): add FieldSpec(name={unknown[0]!r}, initial=...) to "
+            "ChatKVAgent(fields=[...])")
+    return {name: declared[name].check(value) for name, value in changes.items()}
+
+
+def respond(entry: SessionEntry, messages: list[ChatMessage], max_tokens: int,
+            options: dict[str, Any]) -> Operation[tuple[Any, Turn]]:
+    """Generate the reply to ``messages`` (the history the client resent); (generation, turn)."""
+    gen = yield entry.live.respond_work(max_tokens, segments=entry.plan(messages), **options)
+    return gen, entry.commit(messages, gen)
+
+
+def set_fields(entry: SessionEntry, checked: dict[str, object]) -> Operation[EditReport | None]:
+    """The changed values as one ``set_many``, or into the first prompt while the session holds no conversation."""
+    changed = {k: v for k, v in checked.items() if entry.field_values().get(k) != v}
+    if not changed:
+        return None
+    if entry.fresh:
+        entry.values.update(changed)
+        return None
+    report = yield entry.live.set_many_work(changed)
+    entry.charge(report.computed)
+    return report  # type: ignore[no-any-return]
+
+
+def include(entry: SessionEntry, spec: SkillSpec, segment: Callable[[], Segment]) -> Operation[bool]:
+    """Place a skill in the prompt's head (fresh) or at its end (transplanted when compiled); False if there."""
+    if any(s.name == spec.name for s in [*(entry.prologue or []), *entry.skills]):
+        return False
+    resolved = yield segment  # checked compiled (or compiled) on the engine's worker
+    if not entry.fresh:
+        report = yield entry.live.include_work(spec)
+        entry.charge(report.computed, report.transplanted)
+    entry.skills.append(resolved)
+    return True
+
+
+def set_eviction(entry: SessionEntry, eviction: Eviction | None, open_session: Callable[[], Any]) -> Operation[None]:
+    """A new session with ``eviction`` takes over the prompt (from the old one's cached prefix); on failure the
+    old one stays."""
+    old, log, before = entry.live, entry.log, entry.eviction
+    entry.eviction = eviction
+    try:
+        yield open_session
+    except BaseException:
+        entry.eviction, entry.session = before, old
+        raise
+    entry.log = log
+    try:
+        if old.segments:
+            yield entry.live.replace_work(old.segments)
+    except BaseException:
+        new, entry.session, entry.eviction = entry.live, old, before
+        yield new.close
+        raise
+    yield old.close
+
+
+def save(entry: SessionEntry, path: Path) -> Operation[int]:
+    """Write the conversation (KV, prompt, history) as a snapshot; returns the bytes written."""
+    blob = yield entry.live.save_work()
+    skills = [s.name for s in entry.skills if s.name]
+    snapshot = Snapshot(tuple(entry.live.segments), tuple(entry.log.messages), blob, {"skills": skills})
+    return (yield lambda: snapshot.write(path))  # type: ignore[no-any-return]
+
+
+def load(entry: SessionEntry, path: Path) -> Operation[None]:
+    """Restore a snapshot :func:`save` wrote (checked before anything changes)."""
+    snapshot: Snapshot = yield lambda: Snapshot.read(path)
+    segments: Sequence[Segment] = snapshot.segments
+    if snapshot.blob is not None:
+        yield entry.live.restore_work(snapshot.blob, segments)
+    else:  # saved without KV: prefilled again
+        yield entry.live.replace_work(segments)
+    entry.log.commit(snapshot.messages)
+    names = set(snapshot.meta.get("skills", []))
+    entry.skills = [s for s in segments if s.name in names and s.kind.value == "skill"]
+    entry.pending_computed = entry.pending_transplanted = 0
