@@ -1,4 +1,5 @@
-"""Chunked eviction cycles for one session (source paper B, DESIGN.md): infer h tokens, prune to J.
+"""Chunked eviction cycles for one session ("Back from the Future", Gould and van den Hengel, 2026): infer h
+tokens, prune to J.
 
 An :class:`Evictor` belongs to one session. It records the penultimate hidden state of every token the
 session decodes (when its policy needs them and the engine captures them), and on :meth:`cycle` scores

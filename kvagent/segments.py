@@ -48,7 +48,8 @@ class Segment:
     instead of tokenizing ``text`` so a generated turn re-renders to the tokens already cached.
     ``complete=False`` marks an assistant turn being generated: rendered without its closing tag.
     FIELD and ERRATUM segments also keep their ``value`` and ``template`` so they can be re-rendered.
-    Eviction (source paper B): ``pinned`` cells are never evicted (policy, fields and errata by default;
+    Eviction ("Back from the Future", Gould and van den Hengel, 2026): ``pinned`` cells are never evicted (policy,
+    fields and errata by default;
     any segment may be pinned); among the others, cells of a lower ``priority`` segment are evicted before
     any cell of a higher one, the policy's scores deciding within a priority (default 0 for all).
     ``opens`` / ``closes``: whether the segment opens and closes its chat message. A segment that does not

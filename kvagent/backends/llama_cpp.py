@@ -150,7 +150,7 @@ def swa_patched() -> bool:
     (``native/patches/llama.cpp-swa-full.patch``; ``scripts/build_llama_wheel.sh`` labels the version
     ``<version>+kvagent.<patch hash>``). Unpatched, llama.cpp reuses the cells of a sliding-window layer once
     they fall behind the window even with ``swa_full`` (and saves none of them), so an edit behind the window
-    cannot be spliced exactly: kvagent then recomputes from the field (DESIGN.md, BENCHMARKS.md "Edits")."""
+    cannot be spliced exactly: kvagent then recomputes from the field (BENCHMARKS.md "Edits")."""
     return "+kvagent." in C.__version__
 
 

@@ -6,7 +6,8 @@ transplant run is a cold session of the same prompt whose skill is transplanted 
 case: logit cosine and top-1 agreement at the question's last position, greedy agreement over 32
 tokens (share of positions before the first divergence), TTFT of both (ratio in the same run), the
 transplant call's own time (seam 0: restore + shift + copy) and the time to copy the blob's bytes in
-memory (the physical floor). Source paper A (DESIGN.md) reports cosine 0.90-0.999, 13.9x at 32k on an
+memory (the physical floor). "Models Take Notes at Prefill" (arXiv:2606.17107) reports cosine 0.90-0.999,
+13.9x at 32k on an
 8B GPU model.
 """
 

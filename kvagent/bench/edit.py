@@ -3,12 +3,12 @@
 For each case (the decision suite, :mod:`kvagent.edits.suite`): prefill the prompt, save its KV, then
 for each strategy restore the KV, apply the edit, append the question and read the decision. The oracle
 is ``recompute``; a *flip* is a case whose oracle decision differs from the decision before the edit, and
-recovery is counted over flips only (cases without a flip are no evidence). Two splits (issue 14): the
+recovery is counted over flips only (cases without a flip are no evidence). Two splits: the
 ``calibration`` templates (:mod:`kvagent.edits.suite`, the ones calibrations are measured on) and the
 held-out ``test`` templates (:mod:`kvagent.edits.heldout`), each in the ``plain`` and ``chat`` formats; every
 row names its ``split`` and ``format``, and the ``auto`` rows count which strategy auto ran (``ran``). A cold prefill of the oracle's
 final context in a fresh sequence gives the re-prefill time and the noise check: on these Q4 models the
-same tokens in another KV layout shift logits by up to ~1 (DESIGN.md), so decisions with a margin below
+same tokens in another KV layout shift logits by up to ~1 (docs/edits.md), so decisions with a margin below
 ``NEAR_TIE`` logits are reported apart ("clear" flips have both margins above it).
 """
 

@@ -1,4 +1,5 @@
-"""``kvagent bench evict``: eviction policies on real prose (source paper B and its baselines).
+"""``kvagent bench evict``: eviction policies on real prose (counter-causal surprise, "Back from the Future",
+Gould and van den Hengel, 2026, and its baselines).
 
 Four tasks per model, every policy run in the same process so ratios compare like with like:
 

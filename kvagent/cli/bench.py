@@ -159,7 +159,8 @@ def bench_evict(
     tasks: str = typer.Option("retention,perplexity,overhead,latency",
                               help="Tasks to run, comma-separated; the JSON keeps the other tasks' rows."),
 ) -> None:
-    """Eviction policies: fact retention, streaming perplexity, per-cycle latency, decode overhead (source paper B)."""
+    """Eviction policies: fact retention, streaming perplexity, per-cycle latency, decode overhead (counter-causal
+    surprise: "Back from the Future", Gould and van den Hengel, 2026)."""
     from kvagent.bench import evict
 
     json_path = json_path or evict.DEFAULT_JSON

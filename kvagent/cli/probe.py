@@ -9,7 +9,8 @@ import typer
 from kvagent.cli.common import command_line, console, model_names, print_table
 from kvagent.errors import KVAgentError
 
-app = typer.Typer(help="Causal probes of source paper A on the float32 torch reference model.", no_args_is_help=True)
+app = typer.Typer(help="Causal probes of 'Models Take Notes at Prefill' (arXiv:2606.17107) on the float32 torch "
+                       "reference model.", no_args_is_help=True)
 
 
 @app.command("notes")
@@ -21,7 +22,8 @@ def probe_notes(
     save_calibration: bool = typer.Option(False, help="Store the offset ranking for the selective edit (source: reference-probes)."),
     threads: int = typer.Option(1, help="torch threads (0 = torch's default; 1 is steadiest on a shared machine)."),
 ) -> None:
-    """Field share, locality patching, suffix concentration and knockout of paper A's "notes" on edit-suite cases."""
+    """Field share, locality patching, suffix concentration and knockout of the 'notes' (arXiv:2606.17107) on
+    edit-suite cases."""
     from kvagent.edits.suite import TEMPLATES
     from kvagent.reference import probe_notes as pn
 

@@ -1,4 +1,5 @@
-"""Edit strategies: how ``session.set`` turns a field's new value into KV (source paper A, DESIGN.md).
+"""Edit strategies: how ``session.set`` turns a field's new value into KV ("Models Take Notes at Prefill",
+arXiv:2606.17107, https://arxiv.org/abs/2606.17107).
 
 ``erratum`` (default) appends a state-update line; ``recompute`` rebuilds from the field (the oracle);
 ``field_only`` rewrites only the field's KV; ``selective`` rewrites the field and the top-K downstream

@@ -1,4 +1,4 @@
-"""Auto edit: per model, prompt format and situation, the cheapest strategy measured to hold (issue 14).
+"""Auto edit: per model, prompt format and situation, the cheapest strategy measured to hold.
 
 A choice table (``kvagent/edits/data/auto.json``, shipped with the package, written by
 ``kvagent edits calibrate --auto``: :func:`kvagent.edits.calibrate.calibrate_auto`) holds, per model

@@ -77,7 +77,7 @@ def calibrate(model: str, n_patch: int = 4, n_eval: int = 12, progress: Callable
         }
 
 
-# --- the auto strategy's choice table (issue 14) ------------------------------------------------------------
+# --- the auto strategy's choice table ------------------------------------------------------------
 HOLD_RECOVERY = 0.95  # a strategy holds when it recovers this share of the recompute's decision flips ...
 HOLD_ACCURACY_GAP = 0.02  # ... and its accuracy is at most this far below the recompute's
 MIN_FLIPS = 8  # fewer flips than this in a format: nothing is counted as measured to hold there

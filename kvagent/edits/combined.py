@@ -1,6 +1,7 @@
-"""Combined edit: rewrite the field in place (as ``field_only``) *and* append the erratum line (issue 14).
+"""Combined edit: rewrite the field in place (as ``field_only``) *and* append the erratum line.
 
-The two cheap edits fail in different ways (source paper A, DESIGN.md; BENCHMARKS.md): the field-only
+The two cheap edits fail in different ways ("Models Take Notes at Prefill", arXiv:2606.17107; BENCHMARKS.md):
+the field-only
 splice leaves the downstream "note" tokens holding the old conclusion, the erratum leaves the old value in
 the record. Together the prompt states the new value in the record and once more at its end; the edit
 costs the field's tokens plus one line. Measured as a strategy of its own (``kvagent bench edit``,
@@ -37,7 +38,7 @@ class Combined(EditStrategy):
         appended = yield from self.erratum.apply(session, changes)
         computed, seconds = spliced.computed + appended.computed, spliced.seconds + appended.seconds
         # reused: the positions the splice kept (stale included); the erratum reuses everything before it
-        if spliced.strategy == "recompute":  # the splice could not be exact: say so (issue 14, no silent fallback)
+        if spliced.strategy == "recompute":  # the splice could not be exact: say so (no silent fallback)
             return self._report(session, changes, spliced.reused, computed, seconds, ran="recompute+erratum",
                                 reason=spliced.reason)
         return self._report(session, changes, spliced.reused, computed, seconds, reason=spliced.reason)

@@ -1,12 +1,12 @@
 """Erratum edit: append one salient line per changed field; nothing earlier is recomputed.
 
-Source paper A (DESIGN.md, "Models take notes during prefill"): the field-conditioned conclusion lives
+"Models Take Notes at Prefill" (arXiv:2606.17107): the field-conditioned conclusion lives
 in downstream tokens' KV, so rewriting the field alone is ignored; an appended
 ``[STATE UPDATE] field -> value; overrides any previous value`` line recovered the full-recompute
 decision (1.00) while the whole prefix stays valid for prefix caching. Later errata for the same field
 supersede earlier ones (the latest line wins in ``session.field_values``, and the wording says so).
 
-How the line is rendered matters to small models and differs per model and prompt format (issue 14), so
+How the line is rendered matters to small models and differs per model and prompt format, so
 it is a parameter (``rendering``):
 
 - ``system`` (the default): the ``[STATE UPDATE]`` line as a system message;
@@ -50,7 +50,7 @@ class Erratum(EditStrategy):
 
     ``template`` (``str.format`` with ``{name}`` and ``{value}``) replaces the rendering's line for every
     field, ``per_field`` for the named fields (a line that mirrors the field's own phrasing is more salient
-    to small models; DESIGN.md: "the rendering of an erratum is a design problem"); the role stays the
+    to small models; docs/edits.md: "the rendering of an erratum is a design problem"); the role stays the
     rendering's.
     """
 

@@ -1,8 +1,9 @@
 """Field-only edit: rewrite the field's own KV and keep every downstream position's stale KV.
 
-The naive edit of source paper A (DESIGN.md), kept for measurement: the paper finds it ignored by the
+The naive edit of "Models Take Notes at Prefill" (arXiv:2606.17107), kept for measurement: the paper finds it
+ignored by the
 model (recovery ~0 without chain-of-thought) because downstream "note" tokens carry the old
-conclusion. On our small models it mostly works (DESIGN.md, measured before kvagent); the edit
+conclusion. On our small models it mostly works (docs/edits.md, measured before kvagent); the edit
 benchmark reports what it does.
 """
 

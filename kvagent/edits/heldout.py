@@ -3,7 +3,7 @@
 The calibration split (:data:`kvagent.edits.suite.TEMPLATES`) was written together with the erratum
 rendering: its worked examples show a restated record line winning, and its instructions say the latest
 line counts. A user's prompt teaches no such thing, so what a calibration chooses is checked here, on
-templates that never feed a calibration (issue 14):
+templates that never feed a calibration:
 
 - no worked example and no instruction is about updates, errata or repeated lines; the examples only show
   the rule applied once;

@@ -1,6 +1,7 @@
 """Activation patching over downstream positions: which positions carry a field's effect on a decision.
 
-Source paper A (DESIGN.md), "locality patching": starting from the stale cache of a field-only edit,
+"Models Take Notes at Prefill" (arXiv:2606.17107), "locality patching": starting from the stale cache of a
+field-only edit,
 recompute one downstream position at a time in context and measure how much of the full-recompute
 change in the decision it restores. The ranking feeds the ``selective`` edit (via calibration).
 

@@ -1,6 +1,6 @@
 """Selective edit: rewrite the field plus the top-K downstream positions with the highest causal effect.
 
-Source paper A (DESIGN.md): the field's conclusion is written into a few downstream "note" tokens;
+"Models Take Notes at Prefill" (arXiv:2606.17107): the field's conclusion is written into a few downstream "note" tokens;
 recomputing the field and those positions recovers the decision, with K calibrated per model. The
 ranking comes from activation patching (``kvagent.edits.patching``), summarised per model by
 ``kvagent edits calibrate`` as a ranking of offsets after the field's last token (on these models

@@ -3,7 +3,7 @@
 The pool owns the backend's sequence ids (a free list), lends scratch sequences for KV surgery, keeps
 the :class:`PrefixIndex` of every live sequence's shareable prefix, and records which sequences share
 cells (``seq_cp`` in a unified KV pool shares cells instead of copying them: a shift of one sharer moves
-the others' too, DESIGN.md). ``lock`` serialises every native call on the backend; whoever calls the
+the others' too). ``lock`` serialises every native call on the backend; whoever calls the
 backend directly (benchmarks, tests) takes it.
 
 Invariant: a sequence id is either free (empty in the backend) or held by exactly one owner.

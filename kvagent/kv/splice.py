@@ -1,6 +1,6 @@
 """Splice: rewrite one field's KV in place and keep the downstream KV (field-only and selective edits).
 
-Source paper A ("Models take notes during prefill", DESIGN.md) measures these edits against the
+"Models Take Notes at Prefill" (arXiv:2606.17107) measures these edits against the
 erratum; kvagent keeps them because on small models they often hold and cost a few tokens. llama.cpp
 accepts a sequence's new tokens only at ``pos_max + 1``, so the splice is built left to right: the
 downstream KV is parked in a scratch sequence, the field decoded fresh, then runs of parked cells copied

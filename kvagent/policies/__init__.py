@@ -1,4 +1,5 @@
-"""Eviction policies by name (source paper B and its baselines); see :mod:`kvagent.policies.base`."""
+"""Eviction policies by name: counter-causal surprise ("Back from the Future", Gould and van den Hengel, 2026)
+and its baselines; see :mod:`kvagent.policies.base`."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ SINKS = 4  # first tokens every policy keeps (StreamingLLM's attention sinks)
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     # "surprise": span-level (sentences cut from the token texts, ranked by their most surprising token and
-    # kept whole), because the 30-case suite showed it keeps facts token-level scores lose (issue 13,
-    # BENCHMARKS.md); every surprise pass is kept up to date between cycles (IncrementalSurprise).
+    # kept whole), because the 30-case suite showed it keeps facts token-level scores lose (BENCHMARKS.md);
+    # every surprise pass is kept up to date between cycles (IncrementalSurprise).
     # "surprise-token": the paper's token-level fast pass; "surprise-scratch": the same, recomputed from scratch
     # each cycle (the reference the incremental pass is tested against). Other span variants: clauses, blocks of
     # 16 positions, mean or top-k mean aggregation

@@ -1,4 +1,5 @@
-"""Attention-score baselines: H2O, TOVA and importance sampling (the baselines of source paper B).
+"""Attention-score baselines: H2O, TOVA and importance sampling (the baselines of "Back from the Future", Gould
+and van den Hengel, 2026).
 
 All three read the last layer's attention, recomputed in torch from the penultimate hidden states
 llama.cpp's decode captured (:mod:`kvagent.policies.last_layer`); one layer because kvagent evicts a
@@ -17,7 +18,7 @@ class HeavyHitters(EvictionPolicy):
     """H2O (Zhang et al., 2023): keep the tokens with the largest attention accumulated over every query
     since they were cached. Each cycle adds the attention of the tokens decoded since the last one
     (summed over heads and queries) to a per-position total; evicted positions are forgotten. This is
-    the self-reinforcing score paper B argues against: kept tokens keep collecting attention."""
+    the self-reinforcing score the surprise paper argues against: kept tokens keep collecting attention."""
 
     name = "h2o"
     needs_hidden = True

@@ -1,4 +1,5 @@
-"""Eviction policies: score every cached token, the cycle keeps the highest (source paper B, DESIGN.md).
+"""Eviction policies: score every cached token, the cycle keeps the highest ("Back from the Future", Gould and
+van den Hengel, 2026; docs/papers.md).
 
 A policy is a small class with one method, :meth:`EvictionPolicy.score`: ``CacheView -> [n]`` scores,
 higher = keep. The cycle (:mod:`kvagent.eviction`) never asks a policy about pinned positions' fate:
@@ -89,7 +90,7 @@ def select_keep(scores: np.ndarray, pinned: np.ndarray, budget: int, priority: n
     n = scores.size
     forced = pinned.copy()
     if n:
-        forced[-1] = True  # the last token has no future to be predicted from: always kept (paper B)
+        forced[-1] = True  # the last token has no future to be predicted from: always kept (the surprise paper)
     room = max(budget - int(forced.sum()), 0)
     free = np.flatnonzero(~forced)
     if room and free.size:

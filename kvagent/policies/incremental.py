@@ -1,4 +1,5 @@
-"""Incremental counter-causal surprise: a cycle pays only for what changed (issue 13, source paper B).
+"""Incremental counter-causal surprise: a cycle pays only for what changed ("Back from the Future", Gould and
+van den Hengel, 2026).
 
 :class:`~kvagent.policies.surprise.FastSurprise` recomputes the whole last-layer counter-causal pass at
 every cycle: ``n x n`` attention and an ``[n, vocab]`` head, although between two cycles only ``h`` tokens

@@ -1,7 +1,8 @@
 """The last transformer layer in torch, fed by the penultimate hidden states captured from llama.cpp.
 
 Shared by the policies that need attention or a scoring pass but not the whole model: the fast
-counter-causal surprise (source paper B: "store H^(L-1) during the forward pass, compute Q from them
+counter-causal surprise ("Back from the Future", Gould and van den Hengel, 2026: "store H^(L-1) during the
+forward pass, compute Q from them
 and run the counter-causal pass in the last layer only"), H2O and TOVA (last-layer attention). The
 last layer's K and V are recomputed from H^(L-1) (attention norm, projections, RoPE at the original
 positions): the same vectors llama.cpp cached, without reading its buffers. Only the last block, the
@@ -94,7 +95,7 @@ def previous_rows(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
     After an eviction cycle the cell before a kept token is often not its predecessor: the state at
     position ``p' < p - 1`` predicts ``x_{p'+1}``, not ``x_p``. Scoring ``x_p`` from it (the old
     "previous row" pass) gave every token whose predecessor was evicted a spuriously low probability,
-    so surprise kept scattered leftovers and dropped contiguous facts (issue 13)."""
+    so surprise kept scattered leftovers and dropped contiguous facts."""
     out = np.full(rows.shape, -1 if rows.dtype.kind in "iu" else np.nan, dtype=rows.dtype)
     if positions.size > 1:
         follows = np.flatnonzero(np.diff(positions) == 1) + 1

@@ -3,7 +3,7 @@
 Token-level scores keep scattered tokens and break a fact's sentence apart; worse, the tokens of a
 random code are individually not very surprising (a digit after "is " has about log 10 = 2.3 nats of
 surprise, a rare content word 10 or more), so a 4-digit code loses to rare words token by token
-(issue 13). :class:`Spans` wraps a policy the way :class:`~kvagent.policies.base.KeepSinks` does:
+. :class:`Spans` wraps a policy the way :class:`~kvagent.policies.base.KeepSinks` does:
 cut the cells into spans (sentences or clauses from the token texts, or fixed blocks of ``block``
 positions, the pages a paged KV cache frees), score each span by ``reduce`` (max, mean, or the mean of
 its top ``k`` tokens) of the inner scores, and rank spans whole. The budget stays exact: the cycle keeps

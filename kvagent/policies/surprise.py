@@ -1,4 +1,4 @@
-"""Counter-causal surprise (source paper B, "Back from the Future"): keep what the future cannot predict.
+"""Counter-causal surprise ("Back from the Future" (Gould, van den Hengel, 2026)): keep what the future cannot predict.
 
 Surprise ``s_i = 1 - P(x_i | x_{i+1..t})`` from a scoring pass in the original token order with an
 upper-triangular mask (position i attends only to j > i), reusing the cached K/V and recomputing Q at

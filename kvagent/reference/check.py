@@ -2,7 +2,7 @@
 
 Next-token logits at every position of real-prose prompts (the public-domain books shipped in
 ``kvagent/data/prose``), decoded by llama.cpp in one batch and by the reference in one forward.
-Targets (issue 5): mean cosine >= 0.999 and the same top-1 on >= 95% of positions. Where top-1 differs,
+Targets: mean cosine >= 0.999 and the same top-1 on >= 95% of positions. Where top-1 differs,
 ``clear_top1`` counts only positions whose llama.cpp margin (top-1 minus top-2 logit) is at least one
 logit: a disagreement at a near-tie is the Q4 kernels' activation quantization, not a modelling error.
 """

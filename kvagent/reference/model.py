@@ -3,7 +3,8 @@
 Loads the very GGUF llama.cpp runs (:mod:`kvagent.reference.weights`), computes in float32, and keeps
 an explicit KV cache ``k, v: [layers, kv_heads, T, head_dim]`` with the position of every cached
 token. Everything llama.cpp hides is reachable here: an arbitrary attention mask (the counter-causal
-scoring pass of source paper B), explicit position ids (RoPE re-rotation, source paper A), and every
+scoring pass of "Back from the Future", Gould and van den Hengel, 2026), explicit position ids (RoPE
+re-rotation, "Models Take Notes at Prefill", arXiv:2606.17107), and every
 layer's hidden states, queries, keys, values and attention weights (:class:`Trace`), plus head
 knockout for causal probes. Modelled on gpt-fast's ``model.py``: RoPE and re-rotation are pure
 functions.
@@ -61,7 +62,7 @@ def rerotate(k: Tensor, delta: Tensor | int, base: float, style: str) -> Tensor:
 
     RoPE rotations compose, so a key cached at position p becomes the key at p + delta by one more
     rotation of angle ``delta * theta_i``: what llama.cpp's K-shift does and what a skill transplant
-    relies on (source paper A).
+    relies on ("Models Take Notes at Prefill" (arXiv:2606.17107)).
     """
     T = k.shape[-2]
     d = torch.as_tensor(delta).expand(T) if torch.as_tensor(delta).ndim == 0 else torch.as_tensor(delta)
@@ -80,7 +81,8 @@ def causal_mask(q_pos: Tensor, k_pos: Tensor) -> Tensor:
 
 
 def counter_causal_mask(q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """``[Tq, Tk]`` True where ``k_pos > q_pos``: position i sees only its future (source paper B)."""
+    """``[Tq, Tk]`` True where ``k_pos > q_pos``: position i sees only its future (the counter-causal mask of
+    "Back from the Future", Gould and van den Hengel, 2026)."""
     return k_pos[None, :] > q_pos[:, None]
 
 
@@ -264,7 +266,7 @@ class ReferenceModel:
         Keys and values: the cache's entries for each layer, then (``append=True``) the new tokens'
         own, which are also written into ``cache`` (in place). ``append=False`` attends to the cache
         only and leaves it unchanged: the counter-causal scoring pass, which reuses cached K/V and
-        recomputes queries at the original positions (source paper B).
+        recomputes queries at the original positions ("Back from the Future" (Gould, van den Hengel, 2026)).
         ``mask``: a ``[T, S]`` boolean tensor (S = keys visible) or a function of (q_pos, k_pos).
         ``hidden``: start from this ``[T, n_embd]`` input of ``start_layer`` instead of embeddings.
         ``logits``: "all" | "last" | "none"; ``gather: [T]`` token ids whose logit to return per row.

@@ -1,4 +1,5 @@
-"""``kvagent probe notes``: source paper A's causal probes (:mod:`kvagent.reference.probes`) on edit-suite cases.
+"""``kvagent probe notes``: the causal probes of "Models Take Notes at Prefill" (arXiv:2606.17107;
+:mod:`kvagent.reference.probes`) on edit-suite cases.
 
 Cases come from the decision suite (:mod:`kvagent.edits.suite`), rendered as plain text exactly as
 an edit session renders them (``engine.renderer(False)``: each segment tokenized on its own, then a
@@ -23,7 +24,7 @@ Besides the per-case probes, two figures tie the probes to the ``selective`` edi
 whole field *segment* (value, ``.``, newline) plus the top-K ranked positions after it:
 
 - ``segment_share``: restored fraction when the whole field segment is patched (the ``field_only``
-  strategy, as opposed to paper A's value-only "field share");
+  strategy, as opposed to the notes paper's value-only "field share");
 - ``selective``: the share of flipped cases whose decision becomes the new answer when the segment +
   the top-K offsets of the pooled ranking are patched, for K in :data:`K_GRID` (the ranking is pooled
   over the same cases: in-sample).

@@ -1,6 +1,6 @@
-"""Causal probes of source paper A ("models take notes during prefill") on the torch reference model.
+"""Causal probes of "Models Take Notes at Prefill" (arXiv:2606.17107) on the torch reference model.
 
-Paper A (``/work/shared/papers/notes-during-prefill.it.txt``, DESIGN.md section A) claims that during
+The paper (https://arxiv.org/abs/2606.17107; docs/papers.md) claims that during
 prefill a model writes the field-conditioned conclusion into the K/V of downstream "note" tokens
 (punctuation, newlines), that the decision token reads those notes at decode, and that the field's own
 K/V drive < 1% of the decision. Its probes are locality patching, suffix concentration, linear probing
@@ -19,8 +19,8 @@ recompute's.
 
 Probes (:meth:`NotesProbe.run`):
 
-- **field share**: patch only the field positions (paper A's "field-only edit"). Paper A: < 1%.
-- **downstream share**: patch every downstream position but not the field (paper A predicts ~1).
+- **field share**: patch only the field positions (the notes paper's "field-only edit"). The paper: < 1%.
+- **downstream share**: patch every downstream position but not the field (the paper predicts ~1).
 - **locality patching**: for each downstream position p, patch field + p (mode ``field+position``,
   the default). Field + p rather than p alone because that is what the ``selective`` edit does (it
   always recomputes the field, then the top-K ranked positions) and what the llama.cpp patching of

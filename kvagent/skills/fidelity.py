@@ -3,7 +3,8 @@
 A transplant's KV is an approximation (re-rotated keys, repaired seam). On a sampled share of the
 syncs that transplanted something, the guard prefills the same tokens in a scratch sequence, compares
 the next-token distributions (cosine of the logits), and when the cosine is under ``threshold`` it
-logs a warning and the session adopts the recomputed cells instead. Not in source paper A: our own
+logs a warning and the session adopts the recomputed cells instead. Not in "Models Take Notes at Prefill"
+(arXiv:2606.17107): our own
 safety net, so a bad transplant (a new model, an odd seam) degrades speed, not answers.
 """
 

@@ -1,7 +1,8 @@
-"""Skill compilation and transplantation for one engine (source paper A, DESIGN.md).
+"""Skill compilation and transplantation for one engine ("Models Take Notes at Prefill" (arXiv:2606.17107)).
 
 Compile: a skill's tokens are prefilled once, in a scratch sequence *behind the model's sink token*
-(its BOS), and saved to the store. DESIGN.md measured why: computed alone, the skill's first token
+(its BOS), and saved to the store. We measured why before kvagent existed (docs/skills.md): computed alone,
+the skill's first token
 becomes its attention sink and every later key carries that (cosine 0.979 on Gemma-3); behind the sink
 and with the sink's cell left out of the transplant, 0.9986.
 

@@ -1,4 +1,5 @@
-"""Causal probes of source paper A on the torch reference (kvagent.reference.probes), both models.
+"""Causal probes of "Models Take Notes at Prefill" (arXiv:2606.17107) on the torch reference
+(kvagent.reference.probes), both models.
 
 Small real cases: edit-suite prompts (about 250 tokens, 40-55 downstream positions) rendered as an
 edit session renders them. Each probe costs one question-length forward (~0.1 s on one core).

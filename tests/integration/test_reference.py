@@ -1,4 +1,4 @@
-"""The torch reference model against llama.cpp on the same GGUF (issue 5)."""
+"""The torch reference model against llama.cpp on the same GGUF."""
 
 from __future__ import annotations
 

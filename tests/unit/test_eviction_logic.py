@@ -296,7 +296,7 @@ def test_a_policy_returning_the_wrong_number_of_scores_is_refused_before_anythin
     assert backend.removed == [] and ev.cycles == []
 
 
-# --- span-level eviction (issue 13): pure selection logic ----------------------------------------------
+# --- span-level eviction: pure selection logic ----------------------------------------------
 from kvagent.policies.last_layer import previous_rows  # noqa: E402
 from kvagent.policies.spans import Spans, cut_spans, ends_span, reduce_spans, span_ranks  # noqa: E402
 
@@ -423,7 +423,7 @@ def test_spans_wrapper_names_and_hidden_follow_the_inner_policy() -> None:
         Spans(inner, reduce="median")
 
 
-# --- the counter-causal query row of each cell (the eviction bug of issue 13) --------------------------
+# --- the counter-causal query row of each cell (a bug the span-level suite found) --------------------------
 # (positions, expected index of the row that holds position p - 1 in the view, -1 when not cached)
 PREVIOUS_CASES = [
     ([0, 1, 2, 3], [-1, 0, 1, 2]),

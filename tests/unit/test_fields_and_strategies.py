@@ -73,7 +73,7 @@ def test_offset_ranker(offsets: tuple[int, ...], expected: list[int]) -> None:
     assert OffsetRanker(offsets).rank(rendered, rendered.spans[1]) == expected
 
 
-# (id, k, offsets, calibrated, expect a reason): selective says when it runs on defaults (issue 14)
+# (id, k, offsets, calibrated, expect a reason): selective says when it runs on defaults
 UNCALIBRATED_CASES = [
     ("defaults-uncalibrated", None, None, False, True),
     ("defaults-calibrated", None, None, True, False),
@@ -205,7 +205,7 @@ def test_erratum_default_is_the_system_state_update_and_templates_override_the_l
         Erratum(rendering="shout")
 
 
-# --- auto (issue 14): the choice table decides per model, format and situation ---------------------------
+# --- auto: the choice table decides per model, format and situation ---------------------------
 def _m(recovery: float | None, accuracy: float, n_flips: int = 20) -> dict[str, object]:
     return {"recovery": recovery, "accuracy": accuracy, "n_flips": n_flips, "n_cases": 36}
 

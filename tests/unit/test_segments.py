@@ -33,14 +33,14 @@ ORDER_CASES = [
     ([U, A, Segment.memory("likes tea", id="m")], None),
     ([F, P], "policies must come before"),
     ([P, F, U, Segment.field("status", "open", id="f2")], "declared twice"),
-    # fields anywhere (issue 14): after few-shot turns, as a later system message or a tool result (user role)
+    # fields anywhere: after few-shot turns, as a later system message or a tool result (user role)
     ([P, U, A, F, Segment.user("and now?", id="u2")], None),
     ([P, U, A, Segment.field("tool", "42", id="t", role="user"), Segment.erratum("tool", "43", id="e")], None),
     ([P, F, Segment.field("status", "x", id="f2")], "declared twice"),
     ([P, Segment.erratum("status", "closed", id="e")], "not declared before it"),
     ([P, P], "id is used twice"),
     ([P, Segment(SegmentKind.TURN, "", role="assistant", complete=False, id="x"), U], "must be the last"),
-    # a field inside a message's text (issue 14): Segment.message builds the parts
+    # a field inside a message's text: Segment.message builds the parts
     ([P, *Segment.message("user", "lookup: ", F, " ok"), A], None),
     ([P, *Segment.message("user", F), A], None),
     ([P, *Segment.message("user", "lookup: ", F)], None),
@@ -143,7 +143,7 @@ def test_common_prefix(a: tuple[int, ...], b: tuple[int, ...], n: int) -> None:
 
 
 def test_segment_priority_and_pinning_reach_the_span_table() -> None:
-    """Any segment may be pinned or carry an eviction priority (issue 13); the span table carries both."""
+    """Any segment may be pinned or carry an eviction priority; the span table carries both."""
     segs = [Segment.user("abc", priority=-1), Segment.user("de", pinned=True), Segment.memory("fgh", priority=2),
             Segment.assistant("ij", priority=1)]
     spans = Renderer(CharTokenizer(), FMT).render(segs).spans

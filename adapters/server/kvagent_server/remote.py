@@ -4,8 +4,8 @@ For users who outgrow one machine: vLLM and SGLang cache KV by *exact prefix* (a
 so what they reuse depends on the request's text staying byte-identical turn after turn. A
 :class:`RemoteSession` keeps the prompt as kvagent segments and renders each as one chat message (policy,
 fields, skills and memory as system messages, in order; turns as user / assistant messages). Changing a
-field appends an erratum message instead of rewriting the field (source paper A, "Models take notes during
-prefill", DESIGN.md), so every message already sent stays as it was: the messages of turn k are those of
+field appends an erratum message instead of rewriting the field ("Models Take Notes at Prefill",
+arXiv:2606.17107), so every message already sent stays as it was: the messages of turn k are those of
 turn k-1, then the reply, then whatever was added. :meth:`RemoteSession.messages` is exactly what is sent.
 
 Token budgets are counted locally before anything is sent (``kvagent_server.tokens``): exactly, with the

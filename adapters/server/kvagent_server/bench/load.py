@@ -1,6 +1,6 @@
 """``kvagent bench load``: errata vs in-prefix edits under Poisson load on a serving engine.
 
-Source paper A ("Models take notes during prefill", DESIGN.md) ran vLLM's online benchmark: under Poisson
+"Models Take Notes at Prefill" (arXiv:2606.17107) ran vLLM's online benchmark: under Poisson
 load, errata kept the prefix-cache hit rate at 98.5% against 1% for edits made inside the prefix, cut p90
 TTFT 53-398x and raised throughput 14.5x at saturation. This benchmark runs the same experiment against a
 server started here on 127.0.0.1:
