@@ -217,10 +217,6 @@ class Engine:
         return session
         yield  # pragma: no cover - a unit of work that never pauses
 
-    @property
-    def has_free_sequence(self) -> bool:
-        return self.pool.free > 0
-
     @contextmanager
     def scratch(self) -> Iterator[int]:
         """A temporary sequence (for tests and benchmarks that call the backend), freed on exit; holds the lock."""

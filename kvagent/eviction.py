@@ -70,8 +70,11 @@ class Evictor:
         self._model_path = model_path
         self._capture = backend.capture
         self._layer = backend.layer_output_name(-2)  # output of layer L-2 = input of the last layer
+        if not backend.capabilities.positional_kv:
+            raise EvictionError("this backend does not keep cells at explicit positions: eviction leaves holes in the "
+                                "cache, which it cannot hold; open the session without eviction")
         if self.policy.needs_hidden:
-            if self._capture is None:
+            if not backend.capabilities.hidden_capture or self._capture is None:
                 raise EvictionError(
                     f"policy {self.policy.name!r} reads the penultimate layer's hidden states: load the engine "
                     "with capture='native' (or 'python'), e.g. Engine.load(model, capture='native')"

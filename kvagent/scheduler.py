@@ -122,13 +122,6 @@ class Scheduler:
         if wait and not self.on_worker:
             concurrent.futures.wait([job.future])
 
-    def cancel_owner(self, owner: Hashable, only: Callable[[Job], bool] = lambda job: True) -> None:
-        with self._cond:
-            for job in self._queues.get(owner, ()):
-                if only(job):
-                    job.cancel_requested = True
-            self._cond.notify_all()
-
     def active(self, owner: Hashable) -> Job | None:
         """The job of ``owner`` that runs now (the head of its queue), if any."""
         with self._cond:

@@ -47,7 +47,6 @@ class Capabilities:
     ``shift``: ``seq_add`` moves cells and re-rotates their keys (RoPE K-shift); needed to transplant.
     ``state_save``: ``seq_save`` / ``seq_restore`` of one sequence (skills, ``Session.save``).
     ``hidden_capture``: hidden states can be captured during decode (``backend.capture``).
-    ``full_logits``: logits can be asked for every decoded position, not only the last.
     ``swa_keeps_all``: a sliding-window model's cache keeps every cell of a sequence, also behind the window,
     and ``seq_save`` saves them all, so a splice or a restore behind the window is exact (vacuous without
     sliding-window layers: a backend without them reports true, so callers test this flag alone). llama.cpp
@@ -58,7 +57,6 @@ class Capabilities:
     shift: bool
     state_save: bool
     hidden_capture: bool
-    full_logits: bool
     swa_keeps_all: bool = True
 
 
@@ -99,7 +97,6 @@ class Backend(Protocol):
     ) -> np.ndarray: ...
     def seq_rm(self, seq: int, p0: int, p1: int) -> None: ...
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
-    def seq_keep(self, seq: int) -> None: ...
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None: ...
     def seq_pos_range(self, seq: int) -> tuple[int, int]: ...
     def seq_positions(self, seq: int) -> list[int]: ...

@@ -96,7 +96,6 @@ class FakeBackend:
         self._chain: dict[int, bytes] = {}  # seq -> digest of its cells in position order (memo)
         self._next_cell = 0
         self.decode_calls = 0  # for tests: how many decode() calls, and how many tokens they carried
-        self.decoded_tokens = 0
 
     @classmethod
     def from_config(cls, path: Path, config: BackendConfig) -> FakeBackend:
@@ -107,8 +106,7 @@ class FakeBackend:
     # -- model facts ------------------------------------------------------------------------------
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(positional_kv=True, shift=self._can_shift, state_save=True, hidden_capture=False,
-                            full_logits=True)
+        return Capabilities(positional_kv=True, shift=self._can_shift, state_save=True, hidden_capture=False)
 
     @property
     def architecture(self) -> str:
@@ -216,7 +214,6 @@ class FakeBackend:
                 chain = self._append(int(seq_ids[j]), int(positions[j]), int(tokens[j]))
                 if outputs[j]:
                     rows.append(self._logits(chain))
-            self.decoded_tokens += end - start
         if not rows:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         return np.stack(rows)
@@ -334,15 +331,6 @@ class FakeBackend:
             self._cells[cell_id].seqs.add(dst)
             held[pos] = cell_id
         self._chain.pop(dst, None)
-
-    def seq_keep(self, seq: int) -> None:
-        """Drop every cell not held by ``seq``; other sequences end up empty."""
-        self._live()
-        self._check_seq(seq)
-        for s in list(self._seqs):
-            if s != seq:
-                for cell_id in list(self._seqs[s].values()):
-                    self._drop(s, cell_id)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Shift ``seq``'s cells at ``[p0, p1)`` by ``delta``. A cell shared with other sequences moves for

@@ -278,7 +278,6 @@ class LlamaCppBackend:
             shift=self.can_shift,
             state_save=True,
             hidden_capture=self.capture is not None,
-            full_logits=True,
             swa_keeps_all=self.n_swa == 0 or (self.config.swa_full and swa_patched()),
         )
 
@@ -379,11 +378,6 @@ class LlamaCppBackend:
         """Make ``dst`` hold ``src``'s cells at ``[p0, p1)`` (shared cells in a unified pool: never shift them)."""
         self._live()
         C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
-
-    def seq_keep(self, seq: int) -> None:
-        """Drop every cell not belonging to ``seq``."""
-        self._live()
-        C.llama_memory_seq_keep(self._mem, seq)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Shift positions ``[p0, p1)`` of ``seq`` by ``delta``; llama.cpp re-rotates K at the next decode."""

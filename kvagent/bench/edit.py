@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 from kvagent.bench.common import median, write_json
 from kvagent.edits import Combined, EditStrategy, Erratum
-from kvagent.edits.calibration import load_calibration
+from kvagent.edits.selective_calibration import load_calibration
 from kvagent.edits.selective import DEFAULT_K
 from kvagent.edits.heldout import DOWNSTREAMS, FORMATS, SPLITS, split_cases, split_templates
 from kvagent.edits.suite import TEMPLATES, Case, Decider, answerable, long_notes, make_cases, question_segments

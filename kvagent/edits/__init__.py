@@ -1,11 +1,12 @@
 """Edit strategies: how ``session.set`` turns a field's new value into KV ("Models Take Notes at Prefill",
 arXiv:2606.17107, https://arxiv.org/abs/2606.17107).
 
-``erratum`` (default) appends a state-update line; ``recompute`` rebuilds from the field (the oracle);
-``field_only`` rewrites only the field's KV; ``selective`` rewrites the field and the top-K downstream
-positions by causal effect; ``combined`` rewrites the field as ``field_only`` does and appends the erratum;
-``auto`` picks, per model, prompt format and situation, the cheapest of them measured to hold (a shipped
-calibration table; not the default).
+``auto`` (the default) picks, per model, prompt format and situation, the cheapest of the others measured to hold
+(a shipped calibration table; on both shipped models it runs ``field_only`` where the splice can be exact);
+``erratum`` appends a state-update line; ``recompute`` rebuilds from the field (the oracle); ``field_only``
+rewrites only the field's KV; ``selective`` rewrites the field and the top-K downstream positions by causal
+effect; ``combined`` rewrites the field as ``field_only`` does and appends the erratum. Each is a unit of work
+(``EditStrategy.apply`` yields to the scheduler like a decode).
 """
 
 from __future__ import annotations

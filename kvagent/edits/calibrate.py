@@ -6,7 +6,7 @@
    ``K_GRID`` with that ranking; the smallest K reaching the best recovery is kept.
 
 Cases come from the decision suite (:mod:`kvagent.edits.suite`); the result is stored per model
-fingerprint in the calibration store (:mod:`kvagent.edits.calibration`) read by ``selective``.
+fingerprint in the calibration store (:mod:`kvagent.edits.selective_calibration`) read by ``selective``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable
 
-from kvagent.edits.calibration import Calibration, save_calibration
+from kvagent.edits.selective_calibration import Calibration, save_calibration
 from kvagent.edits.patching import position_effects
 from kvagent.edits.selective import Selective
 from kvagent.edits.suite import TEMPLATES, Decider, answerable, make_cases, question_segments
@@ -160,7 +160,7 @@ def calibrate_auto(
     from pathlib import Path
 
     from kvagent.edits.auto import build, load_table, shipped_table_path
-    from kvagent.edits.calibration import load_calibration
+    from kvagent.edits.selective_calibration import load_calibration
     from kvagent.edits.erratum import RENDERINGS, Erratum
     from kvagent.edits.heldout import split_cases
 

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from kvagent.edits.calibration import load_calibration
+from kvagent.edits.selective_calibration import load_calibration
 from kvagent.edits.field_only import FieldOnly, Refresh
 
 if TYPE_CHECKING:

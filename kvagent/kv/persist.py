@@ -17,6 +17,9 @@ from kvagent.segments import common_prefix
 
 def save_blob(state: CachedSequence, fingerprint: str) -> bytes:
     """The blob of ``state`` (at rest: logits known); evicted positions are recorded in its header."""
+    if not state.backend.capabilities.state_save:
+        raise KVAgentError("this backend cannot save a sequence's KV: keep the session open, or save its segments "
+                           "and prefill them again")
     if state.logits is None:
         raise KVAgentError("save needs the cache at rest (prefill first) (internal error)")
     logits = state.logits.astype(np.float32).tobytes()
@@ -27,6 +30,9 @@ def save_blob(state: CachedSequence, fingerprint: str) -> bytes:
 def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fingerprint: str) -> None:
     """Load ``blob`` into ``state``; ``tokens`` are what the prompt it is restored for renders to."""
     backend = state.backend
+    if not backend.capabilities.state_save:
+        raise KVAgentError("this backend cannot restore a sequence's KV: replace the session's segments instead "
+                           "(they are prefilled again)")
     parsed = KVBlob.from_bytes(blob, model_fingerprint=fingerprint, backend_format=backend.format)
     if tokens != parsed.tokens:
         n = common_prefix(tokens, parsed.tokens)

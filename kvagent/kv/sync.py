@@ -133,7 +133,8 @@ def _plan(
 ) -> list[Run[CompiledSkill]]:
     """The runs from ``start``; a transplant needs a shiftable cache and a free scratch sequence."""
     lookup = None
-    if library is not None and state.backend.capabilities.shift:
+    caps = state.backend.capabilities
+    if library is not None and caps.shift and caps.state_save:  # a transplant restores a saved skill and shifts it
         sink = renderer_sink() if renderer_sink is not None else None
 
         def lookup(tokens: tuple[int, ...]) -> CompiledSkill | None:

@@ -30,7 +30,7 @@ whole field *segment* (value, ``.``, newline) plus the top-K ranked positions af
   over the same cases: in-sample).
 
 ``--save-calibration`` stores that pooled ranking, as offsets after the field segment's last token,
-in the calibration store read by ``selective`` (:mod:`kvagent.edits.calibration`), pooled over the
+in the calibration store read by ``selective`` (:mod:`kvagent.edits.selective_calibration`), pooled over the
 single-field templates like ``kvagent edits calibrate`` (all probed templates when neither ran), with
 the smallest K reaching the best in-sample recovery, and ``source="reference-probes"``.
 """
@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvagent.edits.calibrate import K_GRID, SINGLE_FIELD
-from kvagent.edits.calibration import Calibration, save_calibration
+from kvagent.edits.selective_calibration import Calibration, save_calibration
 from kvagent.edits.suite import TEMPLATES, Case, Decider, Template, make_cases, question_segments
 from kvagent.errors import ProbeInputError
 from kvagent.reference.probes import KS, MIN_MARGIN, NotesProbe, NotesReport, ProbeCase

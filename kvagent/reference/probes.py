@@ -185,9 +185,6 @@ class NotesReport:
     seconds: float = 0.0
     extra: dict[str, object] = field(default_factory=dict)
 
-    def ranked_offsets(self) -> list[int]:
-        return [p.offset for p in self.positions]
-
     def as_dict(self) -> dict[str, object]:
         """JSON-ready: int keys become strings, floats stay floats."""
         d = asdict(self)

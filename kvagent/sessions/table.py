@@ -9,8 +9,7 @@ the :class:`Parking` hook decides what becomes of it (closed and rebuilt from th
 to disk and restored on its next use). Callers take an entry's lock for every change to its session, so a
 reclaim never meets a request halfway.
 
-The sync and async drivers (``make_room`` / ``amake_room``, ``reclaim`` / ``areclaim``) share one body: the
-async ones run it in a thread, since parking saves KV through the engine's scheduler and may write files.
+The sync and async drivers (``make_room`` / ``amake_room``) share one body: the async one runs it in a thread, since parking saves KV through the engine's scheduler and may write files.
 """
 
 from __future__ import annotations
@@ -248,7 +247,3 @@ class SessionTable(Generic[E]):
             finally:
                 entry.lock.release()
         return False
-
-    async def areclaim(self, keep: E | None = None) -> bool:
-        """:meth:`reclaim`, awaited (in a thread)."""
-        return await asyncio.to_thread(self.reclaim, keep)

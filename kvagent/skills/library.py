@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvagent.errors import ContextOverflowError
+from kvagent.errors import ContextOverflowError, SkillStoreError
 from kvagent.kv.pool import SequencePool
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kvblob import KVBlob
@@ -80,6 +80,9 @@ class SkillLibrary:
         if self.store.has(key):
             return skill, None
         backend = self._pool.backend
+        if not backend.capabilities.state_save:
+            raise SkillStoreError(f"skill {spec.name!r} cannot be compiled: this backend cannot save a sequence's KV "
+                                  "(its skills are prefilled where they stand)")
         full = (*sink, *tokens)
         if len(full) > backend.n_ctx:
             raise ContextOverflowError(f"skill {spec.name!r} has {len(tokens)} tokens, more than the context of {backend.n_ctx}")

@@ -144,7 +144,7 @@ def test_cli_probe_notes_writes_json_and_calibration(engine, tmp_path, monkeypat
     from typer.testing import CliRunner
 
     from kvagent.cli import app
-    from kvagent.edits.calibration import load_calibration
+    from kvagent.edits.selective_calibration import load_calibration
 
     monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "probe.json"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvagent.errors import EvictionError
+from kvagent.backends.base import Capabilities
 from kvagent.eviction import _MARGIN, Eviction, Evictor, _runs
 from kvagent.policies import POLICIES, CacheView, EvictionPolicy, KeepSinks, get_policy, select_keep
 from kvagent.policies.simple import Recency
@@ -180,12 +181,14 @@ class FakeCapture:
 
 
 class FakeBackend:
-    """Only what the Evictor reads for its checks and a cycle: n_ctx, capture, layer names, seq_rm."""
+    """Only what the Evictor reads for its checks and a cycle: n_ctx, capture, capabilities, layer names, seq_rm."""
 
     n_layer = 30
 
-    def __init__(self, n_ctx: int = 1024, capture: FakeCapture | None = None) -> None:
+    def __init__(self, n_ctx: int = 1024, capture: FakeCapture | None = None, positional_kv: bool = True) -> None:
         self.n_ctx, self.capture = n_ctx, capture
+        self.capabilities = Capabilities(positional_kv=positional_kv, shift=True, state_save=True,
+                                         hidden_capture=capture is not None)
         self.removed: list[tuple[int, int, int]] = []
 
     def layer_output_name(self, i: int) -> str:
@@ -204,6 +207,13 @@ SETTINGS = [
     (256, 800, 1024, False),
     (2, 1, 32, True),
 ]
+
+
+def test_eviction_needs_positional_cells_and_captured_states_where_the_policy_reads_them() -> None:
+    with pytest.raises(EvictionError, match="explicit positions"):
+        Evictor(Eviction("window", budget=256), FakeBackend(positional_kv=False), Path("m.gguf"))  # type: ignore[arg-type]
+    with pytest.raises(EvictionError, match="capture='native'"):
+        Evictor(Eviction("surprise", budget=256), FakeBackend(), Path("m.gguf"))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("budget", "chunk", "n_ctx", "accepted"), SETTINGS)

@@ -90,7 +90,7 @@ def test_selective_names_an_uncalibrated_run(monkeypatch: pytest.MonkeyPatch, tm
     from types import SimpleNamespace
 
     from kvagent.edits import Selective
-    from kvagent.edits.calibration import Calibration, save_calibration
+    from kvagent.edits.selective_calibration import Calibration, save_calibration
 
     monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path))
     fingerprint = f"model-{calibrated}-{k}-{offsets}"

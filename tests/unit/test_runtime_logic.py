@@ -233,7 +233,7 @@ def test_fake_shared_cells_move_for_every_holder() -> None:
     assert b.used_cells == 2  # still held by 1
     b.seq_add(1, 0, -1, -6)  # 5 -> -1 is freed, 6 -> 0 stays
     assert b.seq_positions(1) == [0] and b.used_cells == 1
-    b.seq_keep(0)
+    b.seq_rm(1, -1, -1)
     assert b.used_cells == 0
 
 
