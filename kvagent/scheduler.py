@@ -1,6 +1,6 @@
 """Scheduler: one worker thread that makes every native call, batching sessions' decode steps.
 
-Every operation on a session is a unit of work (a generator, ``kv.steps``) submitted with its owner. The
+Every operation on a session is a unit of work (a generator, ``kv.work``) submitted with its owner. The
 worker keeps one FIFO per owner, so calls on one session run in the order they were made, and runs the
 heads of all FIFOs together: each head advances to its next yield (a prefill advances one chunk of at
 most ``chunk`` tokens, so a long prefill no longer blocks short requests); every :class:`DecodeStep`

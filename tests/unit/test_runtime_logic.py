@@ -986,3 +986,12 @@ def test_calls_on_one_session_run_in_call_order(engine: Engine) -> None:
     assert order == [0, 1, 2, 3, 4]
     assert s.segments[-1].text == "message 4"
     assert_at_rest(engine, s)
+
+
+@pytest.mark.parametrize("name", ["tokens", "logits", "stale", "evicted", "floor"])
+def test_a_sequence_is_the_one_owner_of_its_cache_fields(engine: Engine, name: str) -> None:
+    """``CachedSequence`` changes its fields only through its verbs: from outside they are read-only."""
+    session = open_session(engine)
+    session.prefill()
+    with pytest.raises(AttributeError):
+        setattr(session.cache, name, getattr(session.cache, name))

@@ -217,7 +217,8 @@ class ChatKVAgent(BaseChatModel):
         call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
         entry = self.conversations.enter(call.key)
         try:
-            with entry.live.stream(call.max_tokens, segments=entry.plan(call.messages), **call.options) as stream:
+            segments, max_tokens = entry.plan(call.messages, call.max_tokens)
+            with entry.live.stream(max_tokens, segments=segments, **call.options) as stream:
                 for piece in stream:
                     yield self._piece(piece, deadline)  # past the deadline: leaving the block rolls the turn back
             yield last_chunk(self.model, call, stream.result, entry)
@@ -230,8 +231,8 @@ class ChatKVAgent(BaseChatModel):
         call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
         entry = await self.conversations.aenter(call.key)
         try:
-            segments = entry.plan(call.messages)
-            async with AsyncSession(entry.live).astream(call.max_tokens, segments=segments, **call.options) as stream:
+            segments, max_tokens = entry.plan(call.messages, call.max_tokens)
+            async with AsyncSession(entry.live).astream(max_tokens, segments=segments, **call.options) as stream:
                 async for piece in stream:
                     yield self._piece(piece, deadline)
             yield last_chunk(self.model, call, stream.result, entry)

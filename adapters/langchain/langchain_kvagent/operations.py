@@ -82,7 +82,8 @@ def check_fields(specs: Sequence[FieldSpec], changes: Mapping[str, object]) -> d
 def respond(entry: SessionEntry, messages: list[ChatMessage], max_tokens: int,
             options: dict[str, Any]) -> Operation[tuple[Any, Turn]]:
     """Generate the reply to ``messages`` (the history the client resent); (generation, turn)."""
-    gen = yield entry.live.respond_work(max_tokens, segments=entry.plan(messages), **options)
+    segments, max_tokens = entry.plan(messages, max_tokens)
+    gen = yield entry.live.respond_work(max_tokens, segments=segments, **options)
     return gen, entry.commit(messages, gen)
 
 

@@ -126,8 +126,11 @@ class SessionEntry(TableEntry):
         fields = [spec.segment(self.values.get(spec.name, spec.initial)) for spec in self.specs]
         return [*(self.prologue or []), *self.skills, *fields]
 
-    def plan(self, messages: Sequence[ChatMessage]) -> list[Segment]:
-        return self.log.plan(self.live.segments, messages, self.static())
+    def plan(self, messages: Sequence[ChatMessage], max_tokens: int) -> tuple[list[Segment], int]:
+        """The prompt for ``messages`` (the history the client resent) and the reply budget that fits the context
+        (``Session.fit``: refused before anything changes when no reply fits)."""
+        segments = self.log.plan(self.live.segments, messages, self.static())
+        return segments, self.live.fit(segments, max_tokens).max_tokens
 
     def commit(self, messages: Sequence[ChatMessage], gen: Generation) -> Turn:
         """The generation's reply joins the history; returns the turn's cost."""

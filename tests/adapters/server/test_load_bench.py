@@ -1,4 +1,4 @@
-"""The load benchmark's pure parts (``kvagent.bench.load``): arrivals, per-point figures, the stop rule and
+"""The load benchmark's pure parts (``kvagent_server.bench.load``): arrivals, per-point figures, the stop rule and
 the erratum / inplace comparison, without a server."""
 
 from __future__ import annotations
