@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from kvagent.skills.fidelity import FidelityGuard
     from kvagent.skills.library import SkillLibrary
     from kvagent.skills.store import SkillStore
+    from kvagent.tools.spec import ToolSet
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +241,23 @@ class Engine:
         from kvagent.skills.library import SkillLibrary
 
         return SkillLibrary(self.pool, self.fingerprint, self.model.name, store)
+
+    def tool_segments(self, tools: ToolSet, *, chat: bool = True) -> list[Segment]:
+        """The segments that describe ``tools`` to the model (``kvagent.tools.format``), each compiled as a skill
+        for this model once (stored: later sessions and processes transplant them instead of prefilling)."""
+        from kvagent.tools.format import tool_segments
+
+        segments = tool_segments(tools)
+        renderer, library = self.renderer(chat), self.skills
+
+        def work() -> Iterator[None]:
+            for segment in segments:
+                library.compile_segment(segment, renderer)
+            return None
+            yield  # pragma: no cover - a unit of work that never pauses
+
+        self.scheduler.run(None, work())
+        return segments
 
     @skills.setter
     def skills(self, library: SkillLibrary) -> None:

@@ -76,3 +76,20 @@ class EvictionError(KVAgentError):
 class ProbeInputError(KVAgentError):
     """A causal probe's input is inconsistent: e.g. the old and new field values differ in token length,
     a span is empty, or the edit does not move the decision score at all."""
+
+
+class ToolSpecError(KVAgentError, ValueError):
+    """A tool cannot be bound: an invalid or duplicate name, parameters that are not an object schema."""
+
+
+class ToolSchemaError(ToolSpecError):
+    """A tool's (or a structured reply's) JSON schema uses keywords the grammar cannot express; the message
+    names them."""
+
+
+class ToolChoiceError(KVAgentError, ValueError):
+    """``tool_choice`` names a tool that is not bound, or is not one of auto, none, required or a name."""
+
+
+class ToolCallError(KVAgentError):
+    """A tool call in a turn's text does not parse (an unconstrained turn) or names a tool that is not bound."""

@@ -24,11 +24,14 @@ from kvagent.kv.sync import PrefillReport
 from kvagent.sampling import Sampler
 from kvagent.segments import Rendered, Renderer, Segment, SegmentKind, common_prefix
 from kvagent.textstream import TextAssembler
+from kvagent.tools.format import ToolCall, parse_calls, render_calls
 
 from kvagent.scheduler import Job, Scheduler, on_done
 
 if TYPE_CHECKING:
     from kvagent.kv.sequence import CachedSequence
+    from kvagent.tools.grammar import Constraint
+    from kvagent.tools.spec import ToolSet
 
 # how many text pieces a generation may run ahead of its consumer before it waits for it
 AHEAD = 64
@@ -38,8 +41,9 @@ AHEAD = 64
 class Generation:
     """One generated assistant turn and what it cost.
 
-    ``finish_reason``: ``eos`` (the model ended its turn), ``stop`` (a stop string), ``length``
-    (``max_tokens`` reached). ``reused``/``computed`` count the prompt tokens of this call;
+    ``finish_reason``: ``eos`` (the model ended its turn), ``stop`` (a stop string, or the grammar of a
+    structured reply ended it), ``length`` (``max_tokens`` reached), ``tool_calls`` (the turn called tools:
+    :attr:`tool_calls`). ``reused``/``computed`` count the prompt tokens of this call;
     ``ttft_s`` is the time from the call to the first sampled token. ``text`` is what the model
     generated; with an answer ``prefix`` the cached turn holds ``prefix + text``.
     """
@@ -53,6 +57,7 @@ class Generation:
     total_s: float
     transplanted: int = 0  # prompt tokens whose KV came from compiled skills
     prefix: str = ""  # the answer prefix the turn was started from
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the turn made (``finish_reason`` ``tool_calls``)
 
     @property
     def generated(self) -> int:
@@ -102,12 +107,14 @@ class Decoder:
     so TTFT covers them; ``prefix`` starts the reply with given text (the model continues it).
     ``on_piece`` receives each piece of final text as soon as it is known. ``base``, when given, replaces
     the whole prompt first (in the same pass: TTFT covers it), for clients that resend the history.
+    ``constraint`` (``kvagent.tools.grammar.Constraint``) masks every token to a grammar (tool calls, a JSON
+    reply): the turn ends where the grammar does; ``tools``: the bound tools, whose calls the text is read for.
     """
 
     def __init__(
         self, host: TurnHost, max_tokens: int, sampler: Sampler, stop: Sequence[str], extra: Sequence[Segment],
         prefix: str = "", on_piece: Callable[[str], None] = lambda piece: None, *,
-        base: Sequence[Segment] | None = None,
+        base: Sequence[Segment] | None = None, constraint: Constraint | None = None, tools: ToolSet | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -116,6 +123,8 @@ class Decoder:
         self.extra = list(extra)
         self.base = list(base) if base is not None else None
         self.on_piece = on_piece
+        self.constraint, self.tools = constraint, tools
+        self.calls: tuple[ToolCall, ...] = ()
         self._out = TextAssembler(list(stop))
         self.ids: list[int] = []
         self.finish_reason = "length"
@@ -149,17 +158,22 @@ class Decoder:
         """Sample the next token; the decode it needs, or None when the turn is complete."""
         if self._logits is None:
             raise KVAgentError("step() before prepare() finished (internal error)")
-        token = self.sampler(self._logits)
+        constraint = self.constraint
+        token = self.sampler(constraint.masked(self._logits) if constraint is not None else self._logits)
         if not self.ids:
             self.ttft = time.perf_counter() - self._start
         if self.host.cache.backend.is_eog(token):
             self.finish_reason, self.done = "eos", True
             return None
+        if constraint is not None:
+            constraint.consume(token)
         self.ids.append(token)
         piece = self._out.feed(self.host.cache.backend.token_bytes(token))
         if piece:
             self.on_piece(piece)
         if self._out.stopped:
+            self.finish_reason, self.done = "stop", True
+        elif constraint is not None and constraint.done:  # the grammar admits nothing more: the turn is complete
             self.finish_reason, self.done = "stop", True
         elif len(self.ids) >= self.max_tokens:
             self.done = True
@@ -195,14 +209,20 @@ class Decoder:
         text = self._out.text
         host = self.host
         body_ids: tuple[int, ...] | None = None
-        if self.finish_reason != "stop":  # a stop string cut the text mid-token: its tokens come from the text
+        if self.tools is not None:  # complete calls only: a call cut by max_tokens is no call
+            self.calls = tuple(parse_calls(self.prefix + text, self.tools))
+            if self.calls:
+                self.finish_reason = "tool_calls"
+        if not self._out.stopped:  # a stop string cut the text mid-token: its tokens come from the text
             body_ids = (*self._prefix_ids(), *self.ids)
             host.replies.remember(self.prefix + text, body_ids)
+            if self.calls:  # a client resends the calls, not the text: the canonical rendering maps to these tokens
+                host.replies.remember(render_calls(self.calls), body_ids)
         turn = Segment.assistant(self.prefix + text, token_ids=body_ids)
         yield from host.replace_work([*self._before, turn])
         r = self._report
         return Generation(text, tuple(self.ids), self.finish_reason, r.reused, r.computed, self.ttft,
-                          time.perf_counter() - self._start, r.transplanted, self.prefix)
+                          time.perf_counter() - self._start, r.transplanted, self.prefix, self.calls)
 
     def abort(self) -> None:
         """Roll the call back: the prompt is what it was before it, and the cache holds no token beyond the

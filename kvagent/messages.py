@@ -1,8 +1,9 @@
 """Chat messages to segments: one mapping for every adapter (LangChain, the OpenAI-compatible server).
 
 Leading system messages become the POLICY, later system messages MEMORY, user messages user turns,
-assistant messages assistant turns (the session re-renders text it generated to the tokens it cached),
-tool results a user-role turn that names the tool. A client that resends the whole history each call is
+assistant messages assistant turns (their tool calls written as the tool format writes them, so the session
+re-renders a turn it generated to the tokens it cached), tool results a user-role turn that names the tool and
+the call (``kvagent.tools.format``). A client that resends the whole history each call is
 served by :class:`MessageLog`: when the messages already in the prompt are a prefix of the new list, only
 the new ones are appended (errata and skills stay where they are, so the cached prefix is reused);
 otherwise the prompt is rebuilt with the current field values folded into the fields.
@@ -16,6 +17,7 @@ from typing import Literal, Sequence
 
 from kvagent.errors import SegmentOrderError
 from kvagent.segments import Segment, SegmentKind
+from kvagent.tools.format import ToolCall, render_calls, result_segment
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -25,11 +27,14 @@ _ids = itertools.count()
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One message as clients send it; ``name`` is the tool's name for tool results."""
+    """One message as clients send it; ``name`` is the tool's name for tool results, ``tool_call_id`` the call
+    a result answers; ``tool_calls`` the calls an assistant message made."""
 
     role: Role
     content: str
     name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -44,9 +49,9 @@ def to_segment(message: ChatMessage, *, leading: bool) -> Segment:
     if message.role == "user":
         return Segment.user(message.content, id=sid)
     if message.role == "assistant":
-        return Segment.assistant(message.content, id=sid)
-    tool = message.name or "a tool"
-    return Segment.user(f"Result of {tool}:\n{message.content}", id=sid)
+        calls = render_calls(message.tool_calls)
+        return Segment.assistant("\n".join(p for p in (message.content, calls) if p), id=sid)
+    return result_segment(message.name or "tool", message.tool_call_id, message.content, id=sid)
 
 
 def to_segments(messages: Sequence[ChatMessage], *, after_start: bool = False) -> list[Segment]:

@@ -32,6 +32,7 @@ from kvagent.kv.sync import PrefillReport, sync
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
 from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix
+from kvagent.tools.spec import ToolSet
 
 if TYPE_CHECKING:
     from kvagent.eviction import CycleReport
@@ -295,12 +296,32 @@ class Session:
         self, max_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: Sequence[str] = (), user: str | None = None, prefix: str = "",
         segments: Sequence[Segment] | None = None, on_piece: Callable[[str], None] = lambda piece: None,
+        tools: ToolSet | None = None, tool_choice: Any = "auto", parallel_tool_calls: bool | None = None,
+        response_schema: Mapping[str, Any] | None = None,
     ) -> Decoder:
-        """A :class:`~kvagent.generation.Decoder` for the next turn (what :meth:`stream` runs)."""
+        """A :class:`~kvagent.generation.Decoder` for the next turn (what :meth:`stream` runs).
+
+        ``tools`` (a ``kvagent.tools.ToolSet`` whose segments the prompt holds, ``engine.tool_segments``):
+        the turn is decoded under a grammar so its calls always parse and match the tools' schemas;
+        ``tool_choice``: ``auto`` (text or calls), ``none``, ``required`` or a tool's name;
+        ``parallel_tool_calls``: several calls in one turn (only where asked). ``response_schema``: a JSON schema the
+        whole reply follows (``{"type": "object"}``: any JSON object)."""
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         extra = [Segment.user(user)] if user is not None else []
         base = [self.replies.resolve(s) for s in segments] if segments is not None else None
-        return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece, base=base)
+        constraint, called = None, None
+        if tools or response_schema is not None:
+            from kvagent.tools.choice import ToolChoice, turn_grammar
+            from kvagent.tools.grammar import Constraint  # llguidance is loaded only where tools are
+
+            choice = ToolChoice.of(tool_choice, tools or ToolSet(), parallel_tool_calls) if tools else None
+            grammar = turn_grammar(tools, choice, response_schema)
+            if grammar is not None:
+                constraint = Constraint(self.cache.backend, grammar)
+            if choice is not None and choice.mode != "none" and response_schema is None:
+                called = tools
+        return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece, base=base, constraint=constraint,
+                       tools=called)
 
     def stream(self, max_tokens: int = 128, **options: Any) -> GenerationStream:
         """Generate the next assistant turn as an iterator of text pieces (it starts at once, in the worker).

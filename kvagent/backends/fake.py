@@ -197,6 +197,15 @@ class FakeBackend:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
+    def token_table(self) -> list[bytes]:
+        """Every id's bytes as far as the fake knows them (words given out so far, control tokens as
+        ``b"\\xff"`` + their text, empty for ids never given out)."""
+        table = [b""] * self.n_vocab
+        for token, (kind, text) in self._names.items():
+            if 0 <= token < self.n_vocab:
+                table[token] = (b"\xff" + text.encode()) if kind == "special" else self.token_bytes(token)
+        return table
+
     # -- decode -----------------------------------------------------------------------------------
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int], outputs: Sequence[bool]

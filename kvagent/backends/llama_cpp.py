@@ -323,6 +323,27 @@ class LlamaCppBackend:
     def is_eog(self, token: int) -> bool:
         return bool(C.llama_vocab_is_eog(self._vocab, token))
 
+    def token_table(self) -> list[bytes]:
+        """Every token's bytes by id; control tokens (and user-defined ``<...>`` ones) as ``b"\\xff"`` + their
+        text, the convention of structured-generation libraries (llguidance) for tokens text cannot produce."""
+        self._live()
+        size = 256
+        buf = ctypes.create_string_buffer(size)
+        table: list[bytes] = []
+        control, user = C.LLAMA_TOKEN_ATTR_CONTROL, C.LLAMA_TOKEN_ATTR_USER_DEFINED
+        for token in range(self.n_vocab):
+            n = C.llama_token_to_piece(self._vocab, token, buf, size, 0, True)
+            if n < 0:  # a piece longer than the buffer: its own buffer
+                big = ctypes.create_string_buffer(-n)
+                piece = big.raw[: C.llama_token_to_piece(self._vocab, token, big, -n, 0, True)]
+            else:
+                piece = buf.raw[:n]
+            attr = C.llama_token_get_attr(self._vocab, token)
+            if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
+                piece = b"\xff" + piece
+            table.append(piece)
+        return table
+
     # -- decode -----------------------------------------------------------------------------------
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int], outputs: Sequence[bool]

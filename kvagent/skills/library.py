@@ -71,25 +71,30 @@ class SkillLibrary:
 
     def compile(self, spec: SkillSpec, renderer: Renderer) -> tuple[CompiledSkill, StoredSkill | None]:
         """Make sure ``spec`` is compiled for this model and rendering; returns (skill, new entry or None)."""
-        segment = spec.segment()
+        return self.compile_segment(spec.segment(), renderer, seam=spec.seam, version=spec.version)
+
+    def compile_segment(self, segment: Segment, renderer: Renderer, *, seam: int = 4,
+                        version: str = "") -> tuple[CompiledSkill, StoredSkill | None]:
+        """Make sure a SKILL ``segment`` (a skill file's, a tool's) is compiled for this model and rendering."""
+        name = str(segment.name)
         tokens = renderer.segment_tokens(segment)
         sink = self.sink(renderer)
         key = self.key(sink, tokens)
-        skill = CompiledSkill(spec.name, key, tokens, spec.seam, len(sink))
+        skill = CompiledSkill(name, key, tokens, seam, len(sink))
         self._by_tokens[tokens] = skill
         if self.store.has(key):
             return skill, None
         backend = self._pool.backend
         if not backend.capabilities.state_save:
-            raise SkillStoreError(f"skill {spec.name!r} cannot be compiled: this backend cannot save a sequence's KV "
+            raise SkillStoreError(f"skill {name!r} cannot be compiled: this backend cannot save a sequence's KV "
                                   "(its skills are prefilled where they stand)")
         full = (*sink, *tokens)
         if len(full) > backend.n_ctx:
-            raise ContextOverflowError(f"skill {spec.name!r} has {len(tokens)} tokens, more than the context of {backend.n_ctx}")
+            raise ContextOverflowError(f"skill {name!r} has {len(tokens)} tokens, more than the context of {backend.n_ctx}")
         payload = self._pool.prefill_saved(full)
-        entry = self.store.put(key, KVBlob(self.fingerprint, backend.format, full, payload), name=spec.name,
-                               version=spec.version, model=self.model_name, n_tokens=len(tokens), seam=spec.seam)
-        log.info("compiled skill %s: %d tokens, %d bytes", spec.name, len(tokens), entry.bytes)
+        entry = self.store.put(key, KVBlob(self.fingerprint, backend.format, full, payload), name=name,
+                               version=version, model=self.model_name, n_tokens=len(tokens), seam=seam)
+        log.info("compiled skill %s: %d tokens, %d bytes", name, len(tokens), entry.bytes)
         return skill, entry
 
     def segment(self, spec: SkillSpec, renderer: Renderer) -> Segment:
