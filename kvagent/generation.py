@@ -210,7 +210,7 @@ class Decoder:
         host = self.host
         body_ids: tuple[int, ...] | None = None
         if self.tools is not None:  # complete calls only: a call cut by max_tokens is no call
-            self.calls = tuple(parse_calls(self.prefix + text, self.tools))
+            self.calls = tuple(parse_calls(self.prefix + text, self.tools, complete=self.finish_reason != "length"))
             if self.calls:
                 self.finish_reason = "tool_calls"
         if not self._out.stopped:  # a stop string cut the text mid-token: its tokens come from the text

@@ -87,7 +87,7 @@ class MessageLog:
             return [*current, *to_segments(messages[len(held):], after_start=True)]
         if not held and current and messages and messages[0].role != "system" and not any(
             is_message_segment(s) for s in current
-        ):
+        ) and {s.id for s in static} <= {s.id for s in current}:
             # a prompt of the adapter's own segments (policy, fields, errata, skills) and no message yet:
             # the messages follow it, errata included
             return [*current, *to_segments(messages, after_start=bool(current))]

@@ -16,7 +16,6 @@ transplanted into any prompt, and a changed tool recompiles only its own segment
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -34,7 +33,6 @@ INSTRUCTIONS = (
     '<tool_call>{"name": "<tool name>", "arguments": {<the arguments as JSON>}}</tool_call>. '
     "Call a tool when the answer needs it; otherwise answer in plain text. The tools are:"
 )
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 
 
 @dataclass(frozen=True)
@@ -82,22 +80,32 @@ def render_calls(calls: Sequence[ToolCall]) -> str:
     return SEPARATOR.join(f"{OPEN}{dumps({'name': c.name, 'arguments': dict(c.arguments)})}{CLOSE}" for c in calls)
 
 
-def parse_calls(text: str, tools: ToolSet | None = None) -> list[ToolCall]:
-    """The calls in an assistant turn's text (none: a text answer). :class:`ToolCallError` names a call that does
-    not parse or names a tool not in ``tools`` (an unconstrained turn; a constrained one always parses)."""
-    calls = []
-    for match in _CALL.finditer(text):
+def parse_calls(text: str, tools: ToolSet | None = None, *, complete: bool = True) -> list[ToolCall]:
+    """The calls in an assistant turn's text (none: a text answer); ``complete=False`` (the turn was cut by
+    ``max_tokens``): the last call may be cut short, and is then no call. :class:`ToolCallError` names a call that
+    does not parse or names a tool not in ``tools`` (an unconstrained turn; a constrained one always parses).
+    JSON-aware: an argument may contain the closing tag's text."""
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while (start := text.find(OPEN, at)) >= 0:
+        begin = start + len(OPEN)
         try:
-            data = json.loads(match.group(1))
+            data, end = decoder.raw_decode(text, begin)
         except ValueError as exc:
-            raise ToolCallError(f"a tool call does not parse as JSON ({exc}): {match.group(1)[:200]!r}") from None
+            if not complete:  # cut short: the turn ended inside the call
+                break
+            raise ToolCallError(f"a tool call does not parse as JSON ({exc}): {text[begin:begin + 200]!r}") from None
+        if not text.startswith(CLOSE, end):
+            if not complete and CLOSE.startswith(text[end:]):
+                break
+            raise ToolCallError(f"a tool call is not closed by {CLOSE}: {text[start:end + 40]!r}")
         if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(
                 data.get("arguments", {}), dict):
-            raise ToolCallError(f"a tool call needs a name and an arguments object: {match.group(1)[:200]!r}")
+            raise ToolCallError(f"a tool call needs a name and an arguments object: {text[begin:end][:200]!r}")
         if tools is not None and data["name"] not in tools:
             raise ToolCallError(f"the model called {data['name']!r}, which is not bound (bound: "
                                 f"{', '.join(tools.names) or 'none'})")
         calls.append(ToolCall(data["name"], data.get("arguments", {})))
+        at = end + len(CLOSE)
     return calls
 
 

@@ -12,15 +12,16 @@ one operation (``langchain_kvagent.operations``); the sessions are the chat mode
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Literal, Mapping
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Mapping, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import RunnableConfig, ensure_config
+from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from pydantic import Field, InstanceOf, PrivateAttr, SecretStr, model_validator
 
 from kvagent.aio import AsyncSession
@@ -31,12 +32,14 @@ from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
 from kvagent.models import DEFAULT_MODEL
 from kvagent.policies import get_policy
+from kvagent.segments import Segment
 from kvagent.session import Session
 from kvagent.skills.spec import SkillSpec
 
 from langchain_kvagent import operations as ops
-from langchain_kvagent.convert import (DEFAULT_SESSION, chat_result, last_chunk, parse_call, to_chat_messages,
-                                      to_langchain, usage_metadata)
+from langchain_kvagent import structured
+from langchain_kvagent.convert import (DEFAULT_SESSION, Call, Chunks, chat_result, last_chunk, parse_call,
+                                      to_chat_messages, to_langchain, usage_metadata)
 from langchain_kvagent.conversations import Conversations
 from langchain_kvagent.registry import Turn
 from langchain_kvagent.skills import find_skill, skill_files
@@ -159,6 +162,19 @@ class ChatKVAgent(BaseChatModel):
             params["ls_stop"] = list(stop or self.stop or [])
         return params
 
+    # -- tools and structured output (``langchain_kvagent.structured``) -------------------------------
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (LangChain tools, functions, pydantic models, OpenAI dicts), checked now; calls are decoded
+        under a grammar, so they always parse and match the tools' schemas. ``tool_choice``: ``auto``, ``none``,
+        ``any``/``required`` or a tool's name; ``parallel_tool_calls``: several calls in one turn."""
+        return structured.bind_tools(self, tools, tool_choice, parallel_tool_calls, **kwargs)
+
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, **kwargs: Any) -> Runnable[Any, Any]:
+        """Replies that follow ``schema`` (pydantic model, JSON schema, TypedDict, OpenAI tool); ``method``:
+        ``json_schema`` (default: the reply decoded under the schema), ``function_calling`` or ``json_mode``."""
+        return structured.structured_output(self, schema, include_raw=include_raw, **kwargs)
+
     # -- the session key: LangChain drops config["configurable"] before _generate, so lift it here --------
     def session_key(self, config: RunnableConfig | None = None, session_id: str | None = None) -> str:
         """The session a call with ``config`` uses (see the module docstring for the order)."""
@@ -201,26 +217,27 @@ class ChatKVAgent(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = parse_call(self, messages, stop, kwargs)
-        gen, turn = self.conversations.drive(call.key, lambda e: ops.respond(e, call.messages, call.max_tokens,
-                                                                             call.options))
+        gen, turn = self.conversations.drive(call.key, lambda e: ops.respond(e, call, self._tools(call)))
         return chat_result(self.model, gen, turn, call.key)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = parse_call(self, messages, stop, kwargs)
-        gen, turn = await self.conversations.adrive(call.key, lambda e: ops.respond(e, call.messages, call.max_tokens,
-                                                                                    call.options))
+        gen, turn = await self.conversations.adrive(call.key, lambda e: ops.respond(e, call, self._tools(call)))
         return chat_result(self.model, gen, turn, call.key)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
-        entry = self.conversations.enter(call.key)
+        tools = self.conversations.tool_segments(call.tools)
+        entry, chunks = self.conversations.enter(call.key), Chunks(call.tools is not None)
         try:
-            segments, max_tokens = entry.plan(call.messages, call.max_tokens)
+            segments, max_tokens = entry.plan(call.messages, call.max_tokens, tools)
             with entry.live.stream(max_tokens, segments=segments, **call.options) as stream:
                 for piece in stream:
-                    yield self._piece(piece, deadline)  # past the deadline: leaving the block rolls the turn back
+                    self._check_deadline(deadline)  # past the deadline: leaving the block rolls the turn back
+                    yield from chunks.feed(piece)
+            yield from chunks.finish()
             yield last_chunk(self.model, call, stream.result, entry)
         finally:
             entry.lock.release()
@@ -229,20 +246,27 @@ class ChatKVAgent(BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
-        entry = await self.conversations.aenter(call.key)
+        tools = await asyncio.to_thread(self.conversations.tool_segments, call.tools)
+        entry, chunks = await self.conversations.aenter(call.key), Chunks(call.tools is not None)
         try:
-            segments, max_tokens = entry.plan(call.messages, call.max_tokens)
+            segments, max_tokens = entry.plan(call.messages, call.max_tokens, tools)
             async with AsyncSession(entry.live).astream(max_tokens, segments=segments, **call.options) as stream:
                 async for piece in stream:
-                    yield self._piece(piece, deadline)
+                    self._check_deadline(deadline)
+                    for chunk in chunks.feed(piece):
+                        yield chunk
+            for chunk in chunks.finish():
+                yield chunk
             yield last_chunk(self.model, call, stream.result, entry)
         finally:
             entry.lock.release()
 
-    def _piece(self, piece: str, deadline: float | None) -> ChatGenerationChunk:
+    def _tools(self, call: Call) -> Callable[[], list[Segment]]:
+        return lambda: self.conversations.tool_segments(call.tools)
+
+    def _check_deadline(self, deadline: float | None) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(self.conversations.timeout_message())
-        return ChatGenerationChunk(message=AIMessageChunk(content=piece))
 
     # -- engines and sessions (``langchain_kvagent.conversations``) ---------------------------------
     def model_post_init(self, context: Any) -> None:

@@ -15,6 +15,7 @@ from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
 from kvagent.segments import Segment
 from kvagent.session import Session
+from kvagent.tools import ToolSet
 
 from langchain_kvagent import operations as ops
 from langchain_kvagent.convert import DEFAULT_SESSION, to_langchain
@@ -48,6 +49,7 @@ class Conversations:
     def __init__(self, model: ChatSettings) -> None:
         self.model, self.owner = model, uuid.uuid4().hex  # the owner: this chat model's namespace of the table
         self._finalizer: Any = None
+        self._tools: dict[int, tuple[ToolSet, list[Segment]]] = {}
 
     def slot(self) -> EngineSlot:
         m = self.model
@@ -63,6 +65,15 @@ class Conversations:
         return found.table.setdefault(self.owner, key, lambda: SessionEntry(
             self.owner, key, specs=tuple(m.fields), values={spec.name: spec.initial for spec in m.fields},
             eviction=m.eviction))
+
+    def tool_segments(self, tools: ToolSet | None) -> list[Segment]:
+        """The segments describing ``tools`` (compiled as skills once per model; remembered per tool set)."""
+        if not tools:
+            return []
+        found = self._tools.get(id(tools))
+        if found is None or found[0] is not tools:
+            found = self._tools[id(tools)] = (tools, self.engine().tool_segments(tools))
+        return found[1]
 
     def skill_segment(self, spec: Any, path: Any) -> Segment:
         return skill_segment(self.engine(), spec, path, compile=self.model.compile_skills, model=self.model.model)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage,
                                      UsageMetadata)
@@ -12,6 +14,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from kvagent.errors import KVAgentError
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
+from kvagent.tools import ToolCall, ToolSet
+from kvagent.tools.stream import CallDelta, CallSplitter
 
 from langchain_kvagent.registry import SessionEntry, Turn
 
@@ -24,8 +28,11 @@ _MEDIA = {"image", "image_url", "audio", "input_audio", "video", "file", "docume
 
 
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
-    """LangChain messages as kvagent chat messages (text only; a media block is refused by name)."""
+    """LangChain messages as kvagent chat messages (text only; a media block is refused by name). An AI message's
+    tool calls and a tool message's call id come along; a tool message without a name takes the name of the call
+    it answers."""
     out: list[ChatMessage] = []
+    called: dict[str, str] = {}  # call id -> tool name
     for index, message in enumerate(messages):
         if message.type == "chat":
             role = _CHAT_ROLES.get(str(getattr(message, "role", "")))
@@ -34,8 +41,18 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
         if role is None:
             raise KVAgentError(f"message {index} is a {type(message).__name__} ({message.type!r}): ChatKVAgent takes "
                                "system, human, AI and tool messages")
-        name = (message.name or getattr(message, "tool_call_id", None)) if role == "tool" else None
-        out.append(ChatMessage(role, _text(message, index), name))  # type: ignore[arg-type]
+        text = _text(message, index)
+        if role == "assistant":
+            calls = tuple(ToolCall(c["name"], c.get("args") or {}, c.get("id") or f"call_{index}_{i}")
+                          for i, c in enumerate(getattr(message, "tool_calls", None) or []))
+            called.update({c.id: c.name for c in calls})
+            out.append(ChatMessage("assistant", text, tool_calls=calls))
+        elif role == "tool":
+            call_id = getattr(message, "tool_call_id", None)
+            name = message.name or called.get(str(call_id)) or "tool"
+            out.append(ChatMessage("tool", text, name, tool_call_id=call_id))
+        else:
+            out.append(ChatMessage(role, text))  # type: ignore[arg-type]
     return out
 
 
@@ -46,9 +63,14 @@ def to_langchain(message: ChatMessage) -> BaseMessage:
     if message.role == "user":
         return HumanMessage(message.content)
     if message.role == "assistant":
-        return AIMessage(message.content)
+        return AIMessage(message.content, tool_calls=[lc_tool_call(c) for c in message.tool_calls])
     name = message.name or "tool"
-    return ToolMessage(message.content, tool_call_id=name, name=name)
+    return ToolMessage(message.content, tool_call_id=message.tool_call_id or name, name=name)
+
+
+def lc_tool_call(call: ToolCall) -> dict[str, Any]:
+    """A kvagent call as LangChain's ``ToolCall`` dict."""
+    return {"name": call.name, "args": dict(call.arguments), "id": call.id, "type": "tool_call"}
 
 
 def _text(message: BaseMessage, index: int) -> str:
@@ -77,14 +99,49 @@ def usage_metadata(turn: Turn) -> UsageMetadata:
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens")
 
 
+TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "ls_structured_output_format")
+
+
 @dataclass(frozen=True)
 class Call:
-    """One call's session key, messages and generation options."""
+    """One call's session key, messages and generation options; ``tools`` bound to it (None: none), which the
+    prompt describes and the grammar holds its calls to (``options`` carries the choice and a reply schema)."""
 
     key: str
     messages: list[ChatMessage]
     max_tokens: int
     options: dict[str, Any]
+    tools: ToolSet | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def _toolset(tools_json: str) -> ToolSet:
+    """Tools bound by ``bind_tools`` (OpenAI dicts), checked once per distinct set."""
+    return ToolSet(json.loads(tools_json))
+
+
+def response_schema(response_format: Any) -> dict[str, Any] | None:
+    """The JSON schema a reply follows: OpenAI's ``response_format`` (``json_object``, ``json_schema``), a JSON
+    schema, or a pydantic model class."""
+    if response_format is None:
+        return None
+    if isinstance(response_format, type) and hasattr(response_format, "model_json_schema"):
+        return dict(response_format.model_json_schema())
+    if isinstance(response_format, dict):
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind == "json_schema":
+            inner = response_format.get("json_schema") or {}
+            schema = inner.get("schema") if isinstance(inner, dict) else None
+            if not isinstance(schema, dict):
+                raise KVAgentError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+            return dict(schema)
+        if kind == "text":
+            return None
+        return dict(response_format)  # a JSON schema itself
+    raise KVAgentError(f"response_format {response_format!r}: give json_object, json_schema, a JSON schema or a "
+                       "pydantic model class")
 
 
 def parse_call(model: Any, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Call:
@@ -97,13 +154,20 @@ def parse_call(model: Any, messages: list[BaseMessage], stop: list[str] | None, 
     if name is not None and name != model.model:
         raise KVAgentError(f"ChatKVAgent does not switch models per call (got model={name!r}, this one runs "
                            f"{model.model!r}): construct another ChatKVAgent(model={name!r})")
-    unknown = sorted(set(kwargs) - set(SAMPLING))
+    unknown = sorted(set(kwargs) - set(SAMPLING) - set(TOOL_OPTIONS))
     if unknown:
         raise KVAgentError(f"unknown call options {', '.join(unknown)}: ChatKVAgent takes session_id, stop, "
-                           f"{', '.join(SAMPLING)}")
+                           f"{', '.join(SAMPLING + TOOL_OPTIONS[:4])}")
     options = {k: kwargs.get(k, getattr(model, k)) for k in ("temperature", "top_p", "top_k", "seed")}
     options["stop"] = list(stop if stop is not None else model.stop or [])
-    return Call(key, to_chat_messages(messages), int(kwargs.get("max_tokens", model.max_tokens)), options)
+    tools = _toolset(json.dumps(kwargs["tools"], sort_keys=True)) if kwargs.get("tools") else None
+    if tools is not None:
+        options.update(tools=tools, tool_choice=kwargs.get("tool_choice") or "auto",
+                       parallel_tool_calls=kwargs.get("parallel_tool_calls"))
+    schema = response_schema(kwargs.get("response_format"))
+    if schema is not None:
+        options["response_schema"] = schema
+    return Call(key, to_chat_messages(messages), int(kwargs.get("max_tokens", model.max_tokens)), options, tools)
 
 
 def metadata(model_name: str, gen: Generation, turn: Turn, key: str) -> dict[str, Any]:
@@ -114,8 +178,9 @@ def metadata(model_name: str, gen: Generation, turn: Turn, key: str) -> dict[str
 
 def chat_result(model_name: str, gen: Generation, turn: Turn, key: str) -> ChatResult:
     """A generation as LangChain's result: the reply, its usage (``cache_read``: tokens not computed) and metadata."""
-    message = AIMessage(content=gen.text, usage_metadata=usage_metadata(turn),
-                        response_metadata=metadata(model_name, gen, turn, key))
+    message = AIMessage(content="" if gen.tool_calls else gen.text, usage_metadata=usage_metadata(turn),
+                        response_metadata=metadata(model_name, gen, turn, key),
+                        tool_calls=[lc_tool_call(c) for c in gen.tool_calls])
     info = {"finish_reason": gen.finish_reason}
     return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
@@ -130,4 +195,30 @@ def last_chunk(model_name: str, call: Call, result: Generation | None, entry: Se
     return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
 
 
-__all__ = ["Call", "chat_result", "last_chunk", "parse_call", "to_chat_messages", "to_langchain", "usage_metadata"]
+class Chunks:
+    """A streamed turn's pieces as LangChain chunks: text as content, tool calls (with ``tools`` bound) as
+    ``tool_call_chunks`` (index, id, name, argument pieces; ``kvagent.tools.stream.CallSplitter``)."""
+
+    def __init__(self, tools: bool) -> None:
+        self._splitter = CallSplitter() if tools else None
+
+    def feed(self, piece: str) -> Iterator[ChatGenerationChunk]:
+        if self._splitter is None:
+            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            return
+        yield from self._chunks(*self._splitter.feed(piece))
+
+    def finish(self) -> Iterator[ChatGenerationChunk]:
+        if self._splitter is not None:
+            yield from self._chunks(*self._splitter.finish())
+
+    @staticmethod
+    def _chunks(text: str, deltas: list[CallDelta]) -> Iterator[ChatGenerationChunk]:
+        if text:
+            yield ChatGenerationChunk(message=AIMessageChunk(content=text))
+        for d in deltas:
+            chunk = {"name": d.name, "args": d.arguments, "id": d.id, "index": d.index, "type": "tool_call_chunk"}
+            yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[chunk]))
+
+
+__all__ = ["Call", "Chunks", "chat_result", "last_chunk", "parse_call", "to_chat_messages", "to_langchain", "usage_metadata"]

@@ -19,11 +19,11 @@ from kvagent.edits.base import EditReport
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
 from kvagent.kv.work import Work
-from kvagent.messages import ChatMessage
 from kvagent.segments import Segment
 from kvagent.sessions import Snapshot
 from kvagent.skills.spec import SkillSpec
 
+from langchain_kvagent.convert import Call
 from langchain_kvagent.errors import UndeclaredFieldError
 from langchain_kvagent.registry import SessionEntry, Turn
 
@@ -79,12 +79,13 @@ def check_fields(specs: Sequence[FieldSpec], changes: Mapping[str, object]) -> d
     return {name: declared[name].check(value) for name, value in changes.items()}
 
 
-def respond(entry: SessionEntry, messages: list[ChatMessage], max_tokens: int,
-            options: dict[str, Any]) -> Operation[tuple[Any, Turn]]:
-    """Generate the reply to ``messages`` (the history the client resent); (generation, turn)."""
-    segments, max_tokens = entry.plan(messages, max_tokens)
-    gen = yield entry.live.respond_work(max_tokens, segments=segments, **options)
-    return gen, entry.commit(messages, gen)
+def respond(entry: SessionEntry, call: Call, tools: Callable[[], list[Segment]]) -> Operation[tuple[Any, Turn]]:
+    """Generate the reply to ``call.messages`` (the history the client resent; ``tools()``: the segments of the
+    call's bound tools, compiled once per model); (generation, turn)."""
+    tool_segments = (yield tools) if call.tools else []
+    segments, max_tokens = entry.plan(call.messages, call.max_tokens, tool_segments)
+    gen = yield entry.live.respond_work(max_tokens, segments=segments, **call.options)
+    return gen, entry.commit(call.messages, gen)
 
 
 def set_fields(entry: SessionEntry, checked: dict[str, object]) -> Operation[EditReport | None]:

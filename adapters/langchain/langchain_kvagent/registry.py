@@ -100,6 +100,7 @@ class SessionEntry(TableEntry):
     values: dict[str, object] = field(default_factory=dict)
     prologue: list[Segment] | None = None
     skills: list[Segment] = field(default_factory=list)
+    tools: list[Segment] = field(default_factory=list)
     eviction: Eviction | None = None
     log: MessageLog = field(default_factory=MessageLog)
     turns: list[Turn] = field(default_factory=list)
@@ -122,19 +123,27 @@ class SessionEntry(TableEntry):
         return dict(self.values) if self.fresh else {**self.values, **self.live.field_values}
 
     def static(self) -> list[Segment]:
-        """Segments the adapter adds after the leading system messages: policy, skills, fields."""
+        """Segments the adapter adds after the leading system messages: policy, skills, the bound tools, fields."""
         fields = [spec.segment(self.values.get(spec.name, spec.initial)) for spec in self.specs]
-        return [*(self.prologue or []), *self.skills, *fields]
+        return [*(self.prologue or []), *self.skills, *self.tools, *fields]
 
-    def plan(self, messages: Sequence[ChatMessage], max_tokens: int) -> tuple[list[Segment], int]:
-        """The prompt for ``messages`` (the history the client resent) and the reply budget that fits the context
-        (``Session.fit``: refused before anything changes when no reply fits)."""
+    def plan(self, messages: Sequence[ChatMessage], max_tokens: int,
+             tools: Sequence[Segment] = ()) -> tuple[list[Segment], int]:
+        """The prompt for ``messages`` (the history the client resent) with the call's ``tools`` segments after the
+        chat model's own (a changed tool set rebuilds the prompt from there), and the reply budget that fits the
+        context (``Session.fit``: refused before anything changes when no reply fits)."""
+        if [s.id for s in tools] != [s.id for s in self.tools] or [s.text for s in tools] != [s.text for s in self.tools]:
+            self.log.commit([])  # the static part changes: no fast path over the old prompt
+        self.tools = list(tools)
         segments = self.log.plan(self.live.segments, messages, self.static())
         return segments, self.live.fit(segments, max_tokens).max_tokens
 
     def commit(self, messages: Sequence[ChatMessage], gen: Generation) -> Turn:
-        """The generation's reply joins the history; returns the turn's cost."""
-        self.log.commit([*messages, ChatMessage("assistant", gen.prefix + gen.text)])
+        """The generation's reply joins the history (a tool-call turn as its calls, as the client resends it);
+        returns the turn's cost."""
+        reply = (ChatMessage("assistant", "", tool_calls=gen.tool_calls) if gen.tool_calls
+                 else ChatMessage("assistant", gen.prefix + gen.text))
+        self.log.commit([*messages, reply])
         turn = Turn.of(gen, self.pending_computed, self.pending_transplanted)
         self.pending_computed = self.pending_transplanted = 0
         self.turns.append(turn)
