@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvagent.errors import SegmentOrderError
+from kvagent.tools import ToolCall
 from kvagent.messages import ChatMessage, MessageLog, is_message_segment, to_segments
 from kvagent.segments import Segment, SegmentKind
 
@@ -18,7 +19,12 @@ SYS, USER, BOT = ChatMessage("system", "Be brief."), ChatMessage("user", "hi"), 
         ([SYS, SYS, USER], [("policy", "system", "Be brief."), ("policy", "system", "Be brief."), ("turn", "user", "hi")]),
         ([USER, SYS], [("turn", "user", "hi"), ("memory", "system", "Be brief.")]),
         ([USER, BOT], [("turn", "user", "hi"), ("turn", "assistant", "hello")]),
-        ([ChatMessage("tool", "42", name="calc")], [("turn", "user", "Result of calc:\n42")]),
+        ([ChatMessage("tool", "42", name="calc")],
+         [("turn", "user", '<tool_response>\n{"name": "calc", "content": "42"}\n</tool_response>')]),
+        ([ChatMessage("tool", "42", name="calc", tool_call_id="call_1")],
+         [("turn", "user", '<tool_response>\n{"name": "calc", "id": "call_1", "content": "42"}\n</tool_response>')]),
+        ([ChatMessage("assistant", "", tool_calls=(ToolCall("calc", {"x": 1}, "call_1"),))],
+         [("turn", "assistant", '<tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call>')]),
     ],
 )
 def test_messages_map_to_segments(messages: list[ChatMessage], expected: list[tuple[str, str, str]]) -> None:
