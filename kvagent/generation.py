@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 # how many text pieces a generation may run ahead of its consumer before it waits for it
 AHEAD = 64
+# tokens past max_tokens a structured reply may take to close (strings, objects) so that it always parses
+CLOSE_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class Decoder:
     the whole prompt first (in the same pass: TTFT covers it), for clients that resend the history.
     ``constraint`` (``kvagent.tools.grammar.Constraint``) masks every token to a grammar (tool calls, a JSON
     reply): the turn ends where the grammar does; ``tools``: the bound tools, whose calls the text is read for.
+    A structured reply (a constraint without tools) that ``max_tokens`` cuts is closed in the fewest tokens the
+    grammar allows (up to :data:`CLOSE_BUDGET` more; ``finish_reason`` stays ``length``), so it always parses; a
+    cut tool call is no call.
     """
 
     def __init__(
@@ -124,6 +129,8 @@ class Decoder:
         self.base = list(base) if base is not None else None
         self.on_piece = on_piece
         self.constraint, self.tools = constraint, tools
+        self.close_cut = constraint is not None and tools is None  # a structured reply, not tool calls
+        self._closing = False
         self.calls: tuple[ToolCall, ...] = ()
         self._out = TextAssembler(list(stop))
         self.ids: list[int] = []
@@ -159,7 +166,12 @@ class Decoder:
         if self._logits is None:
             raise KVAgentError("step() before prepare() finished (internal error)")
         constraint = self.constraint
-        token = self.sampler(constraint.masked(self._logits) if constraint is not None else self._logits)
+        if constraint is None:
+            token = self.sampler(self._logits)
+        elif self._closing:  # past max_tokens inside a structured reply: close it, greedily
+            token = int(np.argmax(constraint.closing(self._logits)))
+        else:
+            token = self.sampler(constraint.masked(self._logits))
         if not self.ids:
             self.ttft = time.perf_counter() - self._start
         if self.host.cache.backend.is_eog(token):
@@ -174,9 +186,15 @@ class Decoder:
         if self._out.stopped:
             self.finish_reason, self.done = "stop", True
         elif constraint is not None and constraint.done:  # the grammar admits nothing more: the turn is complete
-            self.finish_reason, self.done = "stop", True
+            self.finish_reason, self.done = ("length" if self._closing else "stop"), True
+        elif self._closing and constraint is not None and constraint.accepting:
+            self.done = True  # closed: finish_reason stays length
         elif len(self.ids) >= self.max_tokens:
-            self.done = True
+            if self.close_cut and constraint is not None and not constraint.accepting \
+                    and len(self.ids) < self.max_tokens + CLOSE_BUDGET:
+                self._closing = True  # a structured reply always parses: end it as soon as the grammar lets it
+            else:
+                self.done = True
         if self.done:
             return None
         state = self.host.cache

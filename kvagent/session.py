@@ -319,7 +319,7 @@ class Session:
             if grammar is not None:
                 constraint = Constraint(self.cache.backend, grammar)
             if choice is not None and choice.mode != "none" and response_schema is None:
-                called = tools
+                called = tools  # the calls of the turn are read from its text
         return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece, base=base, constraint=constraint,
                        tools=called)
 

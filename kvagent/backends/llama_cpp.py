@@ -338,7 +338,7 @@ class LlamaCppBackend:
                 piece = big.raw[: C.llama_token_to_piece(self._vocab, token, big, -n, 0, True)]
             else:
                 piece = buf.raw[:n]
-            attr = C.llama_token_get_attr(self._vocab, token)
+            attr = C.llama_vocab_get_attr(self._vocab, token)
             if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
                 piece = b"\xff" + piece
             table.append(piece)

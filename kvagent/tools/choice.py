@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from kvagent.errors import ToolChoiceError
 from kvagent.tools import format as fmt
 from kvagent.tools.grammar import json_grammar, json_lark, lark_grammar
 from kvagent.tools.spec import ToolSet
+
+if TYPE_CHECKING:
+    from kvagent.messages import ChatMessage
 
 
 @dataclass(frozen=True)
@@ -50,29 +53,13 @@ class ToolChoice:
 
 
 def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_schema: Mapping[str, Any] | None) -> str | None:
-    """The llguidance grammar of a turn, or None when it is free text (no tools and no schema, or tool_choice none)."""
-    llg = _llg()
-    if response_schema is not None:
-        return str(llg.LLMatcher.grammar_from_json_schema(_with_options(response_schema)))
-    if not tools or choice is None or choice.mode == "none":
-        return None
-    called = tools.only([choice.name]) if choice.mode == "tool" and choice.name else tools
-    call = (f"call: {json.dumps(fmt.OPEN)} json {json.dumps(fmt.CLOSE)}\n"
-            f"json: %json {json.dumps(_with_options(fmt.call_schema(called)))}\n")
-    calls = f"calls: call ({json.dumps(fmt.SEPARATOR)} call)*\n" if choice.parallel else "calls: call\n"
-    if choice.mode == "auto":  # a text answer cannot start with "<" (the call's first character)
-        start = "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n"
-    else:
-        start = "start: calls\n"
-    return str(llg.LLMatcher.grammar_from_lark(start + calls + call))
-
-
-def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_schema: Mapping[str, Any] | None) -> str | None:
-    """The grammar of a turn, or None when it is free text (no tools and no schema, or tool_choice none)."""
+    """The grammar of a turn, or None when it is free text (no tools and no schema)."""
     if response_schema is not None:
         return json_grammar(response_schema)
-    if not tools or choice is None or choice.mode == "none":
+    if not tools or choice is None:
         return None
+    if choice.mode == "none":  # text, which must not open a call the turn may not make
+        return lark_grammar("start: TEXT\nTEXT: /[^<](.|\\n)*/\n")
     called = tools.only([choice.name]) if choice.mode == "tool" and choice.name else tools
     call = f"call: {json.dumps(fmt.OPEN)} json {json.dumps(fmt.CLOSE)}\njson: {json_lark(fmt.call_schema(called))}\n"
     calls = f"calls: call ({json.dumps(fmt.SEPARATOR)} call)*\n" if choice.parallel else "calls: call\n"
@@ -83,4 +70,15 @@ def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_sche
     return lark_grammar(start + calls + call)
 
 
-__all__ = ["ToolChoice", "turn_grammar"]
+def each_tool_once(messages: Sequence[ChatMessage], tools: ToolSet) -> tuple[str, ToolSet]:
+    """The ``each_once`` decoding of ``tool_choice="auto"`` for models too small to choose a call on their own
+    (measured: under free ``auto`` neither shipped model ever starts a call, 0 of 8 requests each): after the
+    last user message, the turn must call one of the tools not called since; once each was called, it answers
+    in text. Returns (tool_choice, the tools the turn may call)."""
+    since = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1) + 1
+    called = {c.name for m in messages[since:] if m.role == "assistant" for c in m.tool_calls}
+    left = [t for t in tools if t.name not in called]
+    return ("required", ToolSet(left)) if left else ("none", tools)
+
+
+__all__ = ["ToolChoice", "each_tool_once", "turn_grammar"]

@@ -5,7 +5,7 @@ roles and text only, and the Gemma-3-270M GGUF carries no template at all (kvage
 Gemma turns). kvagent's default is the Hermes / Qwen convention, the one ChatML models (SmolLM2's family
 included: SmolLM3 uses it) are trained on: tool descriptions as JSON lines in a system message, a call as
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the assistant's turn, a result as
-``<tool_response>...</tool_response>`` in the next user-side turn (neither template has a ``tool`` role). The
+``<tool_response name="..." id="...">...</tool_response>`` in the next user-side turn (neither template has a ``tool`` role). The
 calls are decoded under a grammar (``kvagent.tools.grammar``), so the format only has to be readable by the
 model, never guessed back: parsing a call of a constrained turn cannot fail.
 
@@ -37,11 +37,12 @@ INSTRUCTIONS = (
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call the model made: ``arguments`` as parsed from its JSON."""
+    """One call the model made: ``arguments`` as parsed from its JSON; ``id``: unique within a conversation (8 hex
+    digits: a tool result repeats it, and every token of a result is computed in the agent's next turn)."""
 
     name: str
     arguments: Mapping[str, Any]
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:8]}")
 
     def arguments_json(self) -> str:
         return dumps(self.arguments)
@@ -53,10 +54,13 @@ def dumps(value: Any) -> str:
 
 
 def call_schema(tools: ToolSet) -> dict[str, Any]:
-    """The JSON schema of one call to one of ``tools``: ``{"name": <const>, "arguments": <its parameters>}``."""
+    """The JSON schema of one call to one of ``tools``: ``{"name": <const>, "arguments": <its parameters>}``. An
+    arguments object that does not say otherwise takes no keys beyond its properties (``additionalProperties:
+    false``, as OpenAI's strict mode): measured on both shipped models, an open object makes them append
+    schema-like keys until ``max_tokens``."""
     return {"anyOf": [{
         "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)},
+        "properties": {"name": {"const": t.name}, "arguments": {"additionalProperties": False, **dict(t.parameters)}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     } for t in tools]}
@@ -110,9 +114,10 @@ def parse_calls(text: str, tools: ToolSet | None = None, *, complete: bool = Tru
 
 
 def result_segment(name: str, call_id: str | None, content: str, *, id: str = "") -> Segment:
-    """A tool's result as the turn after the call (user role: neither template has a tool role)."""
-    body = dumps({"name": name, **({"id": call_id} if call_id else {}), "content": content})
-    return Segment.user(f"<tool_response>\n{body}\n</tool_response>", **({"id": id} if id else {}))
+    """A tool's result as the turn after the call (user role: neither template has a tool role). The content is
+    written as it is (not escaped into JSON: a result's every token is computed in the agent's next turn)."""
+    attrs = f' name="{name}"' + (f' id="{call_id}"' if call_id else "")
+    return Segment.user(f"<tool_response{attrs}>\n{content}\n</tool_response>", **({"id": id} if id else {}))
 
 
 __all__ = ["CLOSE", "INSTRUCTIONS", "OPEN", "SEPARATOR", "ToolCall", "call_schema", "describe", "dumps",

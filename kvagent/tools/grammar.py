@@ -99,6 +99,20 @@ def tokenizer_of(backend: Backend) -> Any:
         return found
 
 
+_closers: weakref.WeakKeyDictionary[Any, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def _closing_tokens(backend: Backend) -> np.ndarray:
+    """``[n_vocab]`` bool: tokens whose text holds a ``"``, ``}`` or ``]`` (cached per backend)."""
+    with _tokenizers_lock:
+        found = _closers.get(backend)
+        if found is None:
+            table = backend.token_table()
+            found = _closers[backend] = np.array([any(c in t for c in (b'"', b"}", b"]")) and not t.startswith(b"\xff")
+                                                  for t in table], dtype=bool)
+        return found
+
+
 class Constraint:
     """One turn's grammar state (one per generating session): mask the next token's logits, consume the token.
 
@@ -116,6 +130,14 @@ class Constraint:
             raise ToolSchemaError(f"the turn's grammar cannot be used: {self._matcher.get_error()}")
         self._mask = lnp.allocate_token_bitmask(1, self._tokenizer.vocab_size)
         self.n_vocab = backend.n_vocab
+        self._closing = _closing_tokens(backend)
+
+    def closing(self, logits: np.ndarray) -> np.ndarray:
+        """:meth:`masked`, preferring tokens that close something (``"``, ``}``, ``]``) where the grammar allows one:
+        the fastest way the grammar lets a cut-short value end."""
+        out = self.masked(logits)
+        preferred = np.where(self._closing[: out.shape[0]], out, -np.inf)
+        return preferred if np.isfinite(preferred).any() else out
 
     def masked(self, logits: np.ndarray) -> np.ndarray:
         """A copy of ``logits`` ``[n_vocab]`` with every token the grammar forbids at -inf."""

@@ -126,21 +126,43 @@ class ToolSpec:
         doc = (inspect.getdoc(fn) or "").split("\n\n")[0].strip()
         return cls(fn.__name__, doc, {"type": "object", "properties": properties, "required": required})
 
+    def constraints(self) -> str:
+        """The name and what the schema requires of a call, without annotations (``title``, ``description``,
+        ``examples``, ``$comment``): two specs with equal constraints are the same tool."""
+        return json.dumps([self.name, _strip(self.parameters)], sort_keys=True)
+
     def openai(self) -> dict[str, Any]:
         """The spec as an OpenAI function tool."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
                                                  "parameters": dict(self.parameters)}}
 
 
+_ANNOTATIONS = frozenset({"title", "description", "examples", "$comment"})
+
+
+def _strip(schema: Any) -> Any:
+    if isinstance(schema, Mapping):
+        return {k: _strip(v) for k, v in schema.items() if k not in _ANNOTATIONS or k == "properties"}
+    if isinstance(schema, list):
+        return [_strip(v) for v in schema]
+    return schema
+
+
 class ToolSet:
-    """An ordered set of tools with unique names, their schemas checked against the grammar's support."""
+    """An ordered set of tools with unique names, their schemas checked against the grammar's support.
+
+    A name given twice is refused, unless both are the same tool (equal :meth:`ToolSpec.constraints`: a pydantic
+    model and its JSON schema, say): then the first is kept."""
 
     def __init__(self, tools: Iterable[Any] = ()) -> None:
-        specs = [ToolSpec.of(t) for t in tools]
-        names = [s.name for s in specs]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ToolSpecError(f"tool names must be unique: {', '.join(twice)} bound more than once")
+        specs: list[ToolSpec] = []
+        for spec in (ToolSpec.of(t) for t in tools):
+            same = next((s for s in specs if s.name == spec.name), None)
+            if same is None:
+                specs.append(spec)
+            elif same.constraints() != spec.constraints():
+                raise ToolSpecError(f"tool names must be unique: {spec.name} bound more than once, as two different "
+                                    "tools; rename one")
         from kvagent.tools.grammar import check_schema  # llguidance is loaded only where tools are
 
         for spec in specs:

@@ -70,7 +70,7 @@ class CallSplitter:
                 head = _HEAD.match(self._buffer)
                 if head is None:
                     return out  # the head is not complete yet
-                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self.ids.append(f"call_{uuid.uuid4().hex[:8]}")
                 out.append(CallDelta(len(self.ids) - 1, "", self.ids[-1], json.loads(f'"{head.group(1)}"')))
                 self._buffer, self._state, self._depth = self._buffer[head.end():], "args", 0
             elif self._state == "args":

@@ -15,6 +15,8 @@ from kvagent.errors import KVAgentError
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
 from kvagent.tools import ToolCall, ToolSet
+from kvagent.tools.format import OPEN
+from kvagent.tools.choice import each_tool_once
 from kvagent.tools.stream import CallDelta, CallSplitter
 
 from langchain_kvagent.registry import SessionEntry, Turn
@@ -160,14 +162,17 @@ def parse_call(model: Any, messages: list[BaseMessage], stop: list[str] | None, 
                            f"{', '.join(SAMPLING + TOOL_OPTIONS[:4])}")
     options = {k: kwargs.get(k, getattr(model, k)) for k in ("temperature", "top_p", "top_k", "seed")}
     options["stop"] = list(stop if stop is not None else model.stop or [])
+    chat = to_chat_messages(messages)
     tools = _toolset(json.dumps(kwargs["tools"], sort_keys=True)) if kwargs.get("tools") else None
     if tools is not None:
-        options.update(tools=tools, tool_choice=kwargs.get("tool_choice") or "auto",
-                       parallel_tool_calls=kwargs.get("parallel_tool_calls"))
+        choice, callable_ = kwargs.get("tool_choice") or "auto", tools
+        if choice == "auto" and getattr(model, "auto_tools", "free") == "each_once":
+            choice, callable_ = each_tool_once(chat, tools)
+        options.update(tools=callable_, tool_choice=choice, parallel_tool_calls=kwargs.get("parallel_tool_calls"))
     schema = response_schema(kwargs.get("response_format"))
     if schema is not None:
         options["response_schema"] = schema
-    return Call(key, to_chat_messages(messages), int(kwargs.get("max_tokens", model.max_tokens)), options, tools)
+    return Call(key, chat, int(kwargs.get("max_tokens", model.max_tokens)), options, tools)
 
 
 def metadata(model_name: str, gen: Generation, turn: Turn, key: str) -> dict[str, Any]:
@@ -178,11 +183,29 @@ def metadata(model_name: str, gen: Generation, turn: Turn, key: str) -> dict[str
 
 def chat_result(model_name: str, gen: Generation, turn: Turn, key: str) -> ChatResult:
     """A generation as LangChain's result: the reply, its usage (``cache_read``: tokens not computed) and metadata."""
-    message = AIMessage(content="" if gen.tool_calls else gen.text, usage_metadata=usage_metadata(turn),
+    cut = _cut_calls(gen)
+    message = AIMessage(content="" if gen.tool_calls or cut else gen.text, usage_metadata=usage_metadata(turn),
                         response_metadata=metadata(model_name, gen, turn, key),
-                        tool_calls=[lc_tool_call(c) for c in gen.tool_calls])
+                        tool_calls=[lc_tool_call(c) for c in gen.tool_calls], invalid_tool_calls=cut)
     info = {"finish_reason": gen.finish_reason}
     return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+
+def _cut_calls(gen: Generation) -> list[dict[str, Any]]:
+    """A call the turn began and ``max_tokens`` cut short, as LangChain's invalid tool call (its partial
+    arguments and why): never as text."""
+    if gen.finish_reason != "length" or not gen.text.lstrip().startswith(OPEN):
+        return []
+    splitter = CallSplitter()
+    deltas = [*splitter.feed(gen.text)[1], *splitter.finish()[1]]
+    calls = {d.index: {"name": d.name, "args": "", "id": d.id} for d in deltas if d.name is not None}
+    for d in deltas:
+        calls[d.index]["args"] += d.arguments
+    done = len(gen.tool_calls)
+    return [{**c, "error": "cut short by max_tokens: raise max_tokens", "type": "invalid_tool_call"}
+            for i, c in sorted(calls.items()) if i >= done] or [
+        {"name": None, "args": gen.text, "id": None, "error": "cut short by max_tokens: raise max_tokens",
+         "type": "invalid_tool_call"}]
 
 
 def last_chunk(model_name: str, call: Call, result: Generation | None, entry: SessionEntry) -> ChatGenerationChunk:

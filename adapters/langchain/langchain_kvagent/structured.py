@@ -4,7 +4,8 @@ Tools are converted with LangChain's own ``convert_to_openai_tool`` and checked 
 (``kvagent.tools.ToolSet``: names, schemas the grammar can express, a ``tool_choice`` that names a bound tool),
 so a bad tool fails where it is bound, not in the middle of an agent's loop. Structured output decodes the whole
 reply under the schema (``json_schema``, the default), calls the schema as the one tool (``function_calling``),
-or asks for any JSON object (``json_mode``); every reply parses, because the grammar admits nothing else.
+or decodes JSON (``json_mode``: held to the schema where one is given, any JSON object where not); every reply
+parses, because the grammar admits nothing else.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def structured_output(model: Any, schema: Any, *, method: Method = "json_schema"
             "name": json_schema.get("title", "output"), "schema": json_schema, "strict": strict}},
             ls_structured_output_format=trace)
         parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
-    elif method == "json_mode":
-        llm = model.bind(response_format={"type": "json_object"}, ls_structured_output_format=trace)
+    elif method == "json_mode":  # with a schema: held to it (stronger than JSON mode alone, which 135M models need)
+        llm = model.bind(response_format={"type": "json_schema", "json_schema": {
+            "name": "output", "schema": convert_to_json_schema(schema)}} if schema is not None else
+            {"type": "json_object"}, ls_structured_output_format=trace)
         parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
     else:
         raise KVAgentError(f"unknown method {method!r}: use json_schema, function_calling or json_mode")

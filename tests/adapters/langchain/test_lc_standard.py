@@ -1,7 +1,8 @@
 """LangChain's standard test suites (``langchain-tests``, pinned) on the default model, SmolLM2-135M.
 
-Capability flags say what is true of a 135M text model: no tool calling, no structured output, no JSON
-mode, no images, no per-call model override; usage metadata yes, with cache-read details.
+Capability flags say what is true of the chat model on a 135M text model: tool calling, tool choice, structured
+output and JSON mode (all decoded under a grammar); no images, no per-call model override; usage metadata, with
+cache-read details.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from langchain_kvagent import ChatKVAgent
 
 from lc_helpers import SETTINGS
 
-PARAMS = {**SETTINGS, "max_tokens": 16}
+# 80 tokens: a tool call fits, one with a Chinese name too (byte-level tokens; a call cut by max_tokens is no
+# call). auto_tools each_once: what a 135M model needs to call tools under tool_choice auto (see ChatKVAgent).
+PARAMS = {**SETTINGS, "max_tokens": 80, "auto_tools": "each_once"}
 
 
 class _Flags:
@@ -26,15 +29,19 @@ class _Flags:
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:
@@ -62,7 +69,7 @@ class TestChatKVAgentUnit(_Flags, ChatModelUnitTests):
 class TestChatKVAgentIntegration(_Flags, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return dict(PARAMS)  # short replies: the suite runs ~30 generations
+        return dict(PARAMS)
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         """A follow-up on one session: its first turn comes from the cache."""

@@ -1,0 +1,182 @@
+"""Tool calling through ``ChatKVAgent``: bind-time checks, calls that parse and validate (invoke and stream),
+structured output, and agents (LangGraph's ``create_react_agent``, LangChain's ``create_agent``) running a
+two-tool task to a final answer on both models, the second model call reading its prompt from the cache.
+
+Calls are validated with ``jsonschema`` (an implementation of JSON schema apart from the grammar's).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel
+
+from kvagent.errors import ToolChoiceError, ToolSchemaError, ToolSpecError
+from langchain_kvagent import ChatKVAgent
+
+from lc_helpers import SETTINGS
+
+MODELS = ["smollm2-135m", "gemma3-270m"]
+
+
+@tool
+def lookup_order(order_number: str) -> str:
+    """Look up an order by its number (for example A-1042): its status and its carrier."""
+    return json.dumps({"status": "shipped", "carrier": "DHL"})
+
+
+@tool
+def get_shipping_eta(carrier: str) -> str:
+    """How many days a carrier (for example DHL or UPS) takes to deliver."""
+    return json.dumps({"days": 3})
+
+
+TOOLS = [lookup_order, get_shipping_eta]
+SCHEMAS = {t.name: t.tool_call_schema.model_json_schema() for t in TOOLS}
+
+
+def model(name: str = SETTINGS["model"], **options: Any) -> ChatKVAgent:
+    return ChatKVAgent(**{**SETTINGS, "model": name, "max_tokens": 48, **options})
+
+
+def valid(call: dict[str, Any]) -> bool:
+    """The call names a bound tool and its arguments validate against that tool's schema (jsonschema)."""
+    jsonschema.validate(call["args"], {**SCHEMAS[call["name"]], "additionalProperties": False})
+    return True
+
+
+class Refund(BaseModel):
+    """A refund to issue."""
+
+    order_number: str
+    amount_eur: float
+
+
+# (tools, tool_choice, error, message fragment): refused when bound, before any model loads
+BAD_BINDS = [
+    ([lookup_order, {"type": "function", "function": {"name": "lookup_order", "parameters": {
+        "type": "object", "properties": {"id": {"type": "integer"}}}}}], None, ToolSpecError, "bound more than once"),
+    ([{"type": "function", "function": {"name": "tags", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}], None, ToolSchemaError,
+     "uniqueItems"),
+    ([{"type": "function", "function": {"name": "bad name!", "parameters": {"type": "object"}}}], None,
+     ToolSpecError, "OpenAI's function-name pattern"),
+    (TOOLS, "cancel_order", ToolChoiceError, "bound: lookup_order, get_shipping_eta"),
+]
+
+
+@pytest.mark.parametrize(("tools", "choice", "error", "message"), BAD_BINDS)
+def test_bad_tools_are_refused_when_bound(tools: list[Any], choice: Any, error: type, message: str) -> None:
+    m = model()
+    with pytest.raises(error, match=message):
+        m.bind_tools(tools, tool_choice=choice)
+
+
+@pytest.mark.parametrize("choice", ["required", "lookup_order", "any"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_parse_and_validate(choice: str, stream: bool) -> None:
+    bound = model().bind_tools(TOOLS, tool_choice=choice)
+    question = [HumanMessage("Where is my order A-1042?")]
+    if stream:
+        full: AIMessageChunk | None = None
+        for chunk in bound.stream(question, session_id=f"calls-{choice}-stream"):
+            full = chunk if full is None else full + chunk
+        assert full is not None and full.tool_call_chunks  # the call arrived in pieces with its id and name
+        reply: AIMessage = full  # type: ignore[assignment]
+    else:
+        reply = bound.invoke(question, session_id=f"calls-{choice}")
+    assert reply.response_metadata["finish_reason"] == "tool_calls" and not reply.invalid_tool_calls
+    assert len(reply.tool_calls) == 1 and all(valid(c) for c in reply.tool_calls)
+    assert reply.tool_calls[0]["id"].startswith("call_")
+    if choice == "lookup_order":
+        assert reply.tool_calls[0]["name"] == "lookup_order"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_tool_loop_reads_the_second_prompt_from_the_cache(name: str) -> None:
+    m = model(name)
+    bound = m.bind_tools(TOOLS, tool_choice="lookup_order")
+    history: list[Any] = [HumanMessage("Where is my order A-1042?")]
+    first = bound.invoke(history, session_id="loop")
+    call = first.tool_calls[0]
+    history += [first, ToolMessage(lookup_order.invoke(call["args"]), tool_call_id=call["id"])]
+    second = m.bind_tools(TOOLS, tool_choice="none").invoke(history, session_id="loop")
+    assert not second.tool_calls and second.content  # a text answer
+    usage = second.usage_metadata
+    assert usage is not None and usage["input_token_details"]["cache_read"] >= 0.8 * usage["input_tokens"], usage
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+@pytest.mark.parametrize("include_raw", [False, True])
+def test_structured_output_always_parses(method: str, include_raw: bool) -> None:
+    structured = model(max_tokens=64).with_structured_output(Refund, method=method, include_raw=include_raw)
+    out = structured.invoke("Refund 12.50 euros on order A-1042. Reply as JSON with order_number and amount_eur.",
+                            {"configurable": {"session_id": f"structured-{method}-{include_raw}"}})
+    parsed = out["parsed"] if include_raw else out
+    if include_raw:
+        assert out["parsing_error"] is None and isinstance(out["raw"], AIMessage)
+    assert isinstance(parsed, Refund)
+
+
+def _two_tool_run(messages: list[Any]) -> tuple[list[str], AIMessage, dict[str, Any]]:
+    """(the tools called in order, the final message, the usage of the second model call)."""
+    calls = [c["name"] for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
+    replies = [m for m in messages if isinstance(m, AIMessage)]
+    usage = replies[1].usage_metadata
+    assert usage is not None
+    return calls, replies[-1], dict(usage)
+
+
+QUESTION = "Where is my order A-1042 and when will it arrive?"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_create_react_agent_runs_two_tools_to_an_answer(name: str) -> None:
+    from langgraph.prebuilt import create_react_agent
+
+    agent = create_react_agent(model(name, max_tokens=64, auto_tools="each_once"), TOOLS)
+    out = agent.invoke({"messages": [("user", QUESTION)]}, {"configurable": {"thread_id": f"react-{name}"},
+                                                            "recursion_limit": 12})
+    calls, final, usage = _two_tool_run(out["messages"])
+    assert sorted(calls) == ["get_shipping_eta", "lookup_order"]  # each tool once, then the answer
+    assert not final.tool_calls and final.content
+    assert usage["input_token_details"]["cache_read"] >= 0.8 * usage["input_tokens"], usage
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_langchain_create_agent_runs_two_tools_to_an_answer(name: str) -> None:
+    from langchain.agents import create_agent
+
+    agent = create_agent(model(name, max_tokens=64, auto_tools="each_once"), TOOLS)
+    out = agent.invoke({"messages": [("user", QUESTION)]}, {"configurable": {"thread_id": f"agent-{name}"},
+                                                            "recursion_limit": 12})
+    calls, final, usage = _two_tool_run(out["messages"])
+    assert sorted(calls) == ["get_shipping_eta", "lookup_order"]
+    assert not final.tool_calls and final.content
+    assert usage["input_token_details"]["cache_read"] >= 0.8 * usage["input_tokens"], usage
+
+
+def test_a_tool_that_raises_goes_back_to_the_model_as_its_result() -> None:
+    """LangGraph's ToolNode (``handle_tool_errors``) turns the exception into the tool message; the model reads it
+    as the call's result and the loop goes on to an answer."""
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def broken_lookup(order_number: str) -> str:
+        """Look up an order by its number."""
+        raise ValueError("the order service is down")
+
+    from langgraph.prebuilt import ToolNode
+
+    agent = create_react_agent(model(max_tokens=48, auto_tools="each_once"),
+                               ToolNode([broken_lookup], handle_tool_errors=True))
+    out = agent.invoke({"messages": [("user", "Where is order A-1042?")]}, {"configurable": {"thread_id": "broken"},
+                                                                         "recursion_limit": 8})
+    results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
+    assert results and "the order service is down" in str(results[0].content)
+    assert isinstance(out["messages"][-1], AIMessage) and not out["messages"][-1].tool_calls
