@@ -15,7 +15,6 @@ import json
 import logging
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np

@@ -16,7 +16,7 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvagent.aio import AsyncGenerationStream
-from kvagent.errors import ContextOverflowError, KVAgentError
+from kvagent.errors import KVAgentError
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
 from kvagent.segments import Segment
