@@ -68,15 +68,17 @@ def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_sche
 
 
 def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_schema: Mapping[str, Any] | None) -> str | None:
-    """The grammar of a turn, or None when it is free text (no tools and no schema, or tool_choice none)."""
-    if response_schema is not None:
-        return json_grammar(response_schema)
+    """The grammar of a turn, or None when it is free text (no tools and no schema, or tool_choice none). With tools
+    that may be called and a ``response_schema``: ``auto`` is a call or a reply following the schema (a JSON value
+    never starts with ``<``), ``required`` or a named tool calls only."""
     if not tools or choice is None or choice.mode == "none":
-        return None
+        return json_grammar(response_schema) if response_schema is not None else None
     called = tools.only([choice.name]) if choice.mode == "tool" and choice.name else tools
     call = f"call: {json.dumps(fmt.OPEN)} json {json.dumps(fmt.CLOSE)}\njson: {json_lark(fmt.call_schema(called))}\n"
     calls = f"calls: call ({json.dumps(fmt.SEPARATOR)} call)*\n" if choice.parallel else "calls: call\n"
-    if choice.mode == "auto":  # a text answer cannot start with "<" (the call's first character)
+    if choice.mode == "auto" and response_schema is not None:
+        start = f"start: reply | calls\nreply: {json_lark(response_schema)}\n"
+    elif choice.mode == "auto":  # a text answer cannot start with "<" (the call's first character)
         start = "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n"
     else:
         start = "start: calls\n"
