@@ -244,9 +244,11 @@ def test_tool_sets_are_compiled_once_then_transplanted(core_engine: Any) -> None
     run(main())
 
 
-def test_a_streamed_call_is_logged_with_its_ids_and_the_loop_extends_the_prompt(core_engine: Any) -> None:
-    """The ids a stream gave its calls are the ones logged, so the history resent with the tool result extends
-    the session's prompt (its segments stay, none is rebuilt) and the cached prefix covers the call turn."""
+def test_a_streamed_call_is_logged_with_its_ids_and_the_loop_extends_the_prompt_after_a_restore(
+        core_engine: Any) -> None:
+    """The ids a stream gave its calls are the ones logged, and a save keeps them (and the tools): the history
+    resent to the restored copy with the tool result extends its prompt (no segment is rebuilt) and the cached
+    prefix covers the call turn."""
     async def main() -> None:
         async with served(core_engine) as (app, client):
             body = {"model": MODEL, "messages": QUESTION, "max_tokens": 48, "tools": TOOLS, "tool_choice": "required",
@@ -256,16 +258,19 @@ def test_a_streamed_call_is_logged_with_its_ids_and_the_loop_extends_the_prompt(
             calls, usage = sse_calls(r.text)
             entry = app.state.kv.sessions.entries["streamed-loop"]
             assert [c.id for c in entry.log.messages[-1].tool_calls] == [c["id"] for c in calls]
-            before = [s["id"] for s in (await client.get("/v1/sessions/streamed-loop")).json()["segments"]]
+            saved = await client.post("/v1/sessions/streamed-loop/save")
+            assert (await client.post("/v1/sessions/restored-loop/restore", content=saved.content)).status_code == 201
+            before = [s["id"] for s in (await client.get("/v1/sessions/restored-loop")).json()["segments"]]
             assistant = {"role": "assistant", "content": None, "tool_calls": [
                 {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                 for c in calls]}
             messages = [*QUESTION, assistant, {"role": "tool", "tool_call_id": calls[0]["id"], "content": "shipped"}]
             r = await client.post("/v1/chat/completions", json={**body, "messages": messages, "stream": False,
-                                                                "tool_choice": "none", "max_tokens": 4})
+                                                                "user": "restored-loop", "tool_choice": "none",
+                                                                "max_tokens": 4})
             assert r.status_code == 200, r.text
-            after = [s["id"] for s in (await client.get("/v1/sessions/streamed-loop")).json()["segments"]]
-            assert after[:len(before)] == before
+            after = [s["id"] for s in (await client.get("/v1/sessions/restored-loop")).json()["segments"]]
+            assert after[:len(before)] == before and len(after) == len(before) + 2  # the result and the reply
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= usage["prompt_tokens"] + usage["completion_tokens"]
     run(main())
