@@ -96,15 +96,15 @@ def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: Cha
     if session is None:  # pragma: no cover - the request holds an active entry
         raise KVAgentError("chat request on a parked session (internal error)")
     current = list(session.segments)
+    described = {s.id for s in (*entry.tools, *tools.segments)}
     if _described(tools.segments) != _described(entry.tools):
         # the prompt's static part changes: no fast path over the old prompt (MessageLog.plan rebuilds it, reusing
-        # the cached prefix before the tools); a session with no message yet takes the new tools after its own
-        # segments, so its errata stay
-        old = {s.id for s in entry.tools}
+        # the cached prefix before the tools)
         entry.log.commit([])
         entry.tools = list(tools.segments)
-        if not any(is_message_segment(s) for s in current):
-            current = [*(s for s in current if s.id not in old), *tools.segments]
+    if not any(is_message_segment(s) for s in current):
+        # a session with no message yet takes the tools after its own segments, so its errata stay
+        current = [*(s for s in current if s.id not in described), *entry.tools]
     # MessageLog.plan: a session holding only the server's own segments (policy, fields, errata, skills, tools)
     # and no message yet gets the messages appended after them, errata included, instead of a rebuild
     segments = entry.log.plan(current, messages, [*entry.static, *entry.tools])
