@@ -239,7 +239,10 @@ class _TurnStream(EventSourceResponse):
             yield self._chunk(delta)
         self._record(gen)
         extra = {"usage": None} if self.include_usage else {}
-        yield self._chunk({}, FINISH.get(gen.finish_reason, gen.finish_reason), **extra)
+        finish = FINISH.get(gen.finish_reason, gen.finish_reason)
+        if finish == "tool_calls" and calls is not None and len(calls.ids) > len(gen.tool_calls):
+            finish = "length"  # the last call was streamed in part: the turn was cut, its complete calls are logged
+        yield self._chunk({}, finish, **extra)
         if self.include_usage:
             yield self._event([], usage=usage(gen))
         yield {"data": "[DONE]"}

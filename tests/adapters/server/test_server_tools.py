@@ -96,14 +96,15 @@ def oa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.mark.parametrize("choice, expect", [
-    ("required", "a call"),
-    ({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),  # not what the question asks for
-    ("auto", "a call or text"),
-    ("none", "text"),
+@pytest.mark.parametrize("choice, expect, max_tokens", [
+    ("required", "a call", 48),
+    ({"type": "function", "function": {"name": "get_weather"}}, "get_weather", 48),  # not what the question asks
+    ("auto", "a call or text", 48),
+    ("none", "text", 12),
 ])
-def test_tool_choice(oa: Any, choice: Any, expect: str) -> None:
-    r = oa.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=choice, max_tokens=48)
+def test_tool_choice(oa: Any, choice: Any, expect: str, max_tokens: int) -> None:
+    r = oa.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=choice,
+                                   max_tokens=max_tokens)
     choice0 = r.choices[0]
     calls = choice0.message.tool_calls or []
     if expect == "a call or text" and not calls:
@@ -273,6 +274,29 @@ def test_a_streamed_call_is_logged_with_its_ids_and_the_loop_extends_the_prompt_
             assert after[:len(before)] == before and len(after) == len(before) + 2  # the result and the reply
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= usage["prompt_tokens"] + usage["completion_tokens"]
+    run(main())
+
+
+def test_parallel_calls_streamed_finish_with_tool_calls_only_when_every_call_is_complete(core_engine: Any) -> None:
+    """With ``parallel_tool_calls`` the small models repeat their call until ``max_tokens`` cuts one (SmolLM2: its
+    second call, at 60 tokens): the stream has then sent part of it, so it ends with ``length``, not
+    ``tool_calls``."""
+    async def main() -> None:
+        async with served(core_engine) as (_, client):
+            body = {"model": MODEL, "messages": QUESTION, "max_tokens": 60, "tools": TOOLS, "tool_choice": "required",
+                    "parallel_tool_calls": True, "stream": True}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            calls, _ = sse_calls(r.text)
+            finish = [c["choices"][0]["finish_reason"] for c in map(json.loads, (
+                line[5:] for line in r.text.splitlines() if line.startswith("data: {"))) if c["choices"]][-1]
+            complete = []
+            for call in calls:
+                try:
+                    complete.append(conforms(json.loads(call["arguments"]), SCHEMAS[call["name"]]))
+                except ValueError:
+                    complete.append(False)
+            assert complete == [True, False] and finish == "length", (finish, calls)
     run(main())
 
 
