@@ -24,7 +24,7 @@ from kvagent.kv.sync import PrefillReport
 from kvagent.sampling import Sampler
 from kvagent.segments import Rendered, Renderer, Segment, SegmentKind, common_prefix
 from kvagent.textstream import TextAssembler
-from kvagent.tools.format import ToolCall, parse_calls, render_calls
+from kvagent.tools.format import OPEN, ToolCall, parse_calls, render_calls
 
 from kvagent.scheduler import Job, Scheduler, on_done
 
@@ -227,8 +227,11 @@ class Decoder:
         text = self._out.text
         host = self.host
         body_ids: tuple[int, ...] | None = None
-        if self.tools is not None:  # complete calls only: a call cut by max_tokens is no call
-            self.calls = tuple(parse_calls(self.prefix + text, self.tools, complete=self.finish_reason != "length"))
+        reply = self.prefix + text
+        if self.tools is not None and reply.lstrip().startswith(OPEN):  # text or JSON never starts with "<"
+            # complete calls only: a call cut by max_tokens or a stop string is no call
+            self.calls = tuple(parse_calls(reply, self.tools,
+                                           complete=self.finish_reason != "length" and not self._out.stopped))
             if self.calls:
                 self.finish_reason = "tool_calls"
         if not self._out.stopped:  # a stop string cut the text mid-token: its tokens come from the text

@@ -305,7 +305,8 @@ class Session:
         the turn is decoded under a grammar so its calls always parse and match the tools' schemas;
         ``tool_choice``: ``auto`` (text or calls), ``none``, ``required`` or a tool's name;
         ``parallel_tool_calls``: several calls in one turn (only where asked). ``response_schema``: a JSON schema the
-        whole reply follows (``{"type": "object"}``: any JSON object)."""
+        whole reply follows (``{"type": "object"}``: any JSON object); with tools, a turn in ``auto`` either calls or
+        replies in the schema, one that must call only calls."""
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         extra = [Segment.user(user)] if user is not None else []
         base = [self.replies.resolve(s) for s in segments] if segments is not None else None
@@ -318,7 +319,7 @@ class Session:
             grammar = turn_grammar(tools, choice, response_schema)
             if grammar is not None:
                 constraint = Constraint(self.cache.backend, grammar)
-            if choice is not None and choice.mode != "none" and response_schema is None:
+            if choice is not None and choice.mode != "none":  # with a schema too: auto is a call or the reply
                 called = tools  # the calls of the turn are read from its text
         return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece, base=base, constraint=constraint,
                        tools=called)

@@ -19,6 +19,7 @@ from typing import Any
 from kvagent.errors import KVBlobError
 from kvagent.messages import ChatMessage
 from kvagent.segments import Segment, segment_from_dict, segment_to_dict
+from kvagent.tools.format import ToolCall
 
 MAGIC = b"KVAGENT-SNAPSHOT\n"
 FORMAT = "kvagent-snapshot/1"
@@ -27,6 +28,21 @@ _LENGTH = struct.Struct(">Q")
 
 class SnapshotError(KVBlobError):
     """Bytes that are not a kvagent snapshot, or one whose header is corrupt or of another format."""
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A message as the header holds it (an assistant's tool calls and a result's call id kept)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content, "name": m.name}
+    if m.tool_calls:
+        out["tool_calls"] = [{"name": c.name, "arguments": dict(c.arguments), "id": c.id} for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _message(d: dict[str, Any]) -> ChatMessage:
+    calls = tuple(ToolCall(str(c["name"]), dict(c["arguments"]), str(c["id"])) for c in d.get("tool_calls") or [])
+    return ChatMessage(d["role"], d["content"], d.get("name"), tool_calls=calls, tool_call_id=d.get("tool_call_id"))
 
 
 @dataclass(frozen=True)
@@ -43,7 +59,7 @@ class Snapshot:
         header = json.dumps({
             "format": FORMAT,
             "segments": [segment_to_dict(s) for s in self.segments],
-            "messages": [{"role": m.role, "content": m.content, "name": m.name} for m in self.messages],
+            "messages": [_message_dict(m) for m in self.messages],
             "kv": self.blob is not None,
             "meta": self.meta,
         }).encode()
@@ -63,7 +79,7 @@ class Snapshot:
                 found = header.get("format") if isinstance(header, dict) else None
                 raise ValueError(f"format {found!r}, this kvagent reads {FORMAT!r}")
             segments = tuple(segment_from_dict(s) for s in header["segments"])
-            messages = tuple(ChatMessage(m["role"], m["content"], m.get("name")) for m in header.get("messages", []))
+            messages = tuple(_message(m) for m in header.get("messages", []))
             meta = header.get("meta") or {}
             if not isinstance(meta, dict):
                 raise ValueError("meta is not an object")

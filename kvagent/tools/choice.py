@@ -53,17 +53,22 @@ class ToolChoice:
 
 
 def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_schema: Mapping[str, Any] | None) -> str | None:
-    """The grammar of a turn, or None when it is free text (no tools and no schema)."""
-    if response_schema is not None:
-        return json_grammar(response_schema)
+    """The grammar of a turn, or None when it is free text (no tools and no schema). ``tool_choice`` none: text that
+    does not open a call (or the reply in the schema). With tools that may be called and a ``response_schema``:
+    ``auto`` is a call or a reply following the schema (a JSON value never starts with ``<``), ``required`` or a
+    named tool calls only."""
     if not tools or choice is None:
-        return None
-    if choice.mode == "none":  # text, which must not open a call the turn may not make
+        return json_grammar(response_schema) if response_schema is not None else None
+    if choice.mode == "none":
+        if response_schema is not None:
+            return json_grammar(response_schema)
         return lark_grammar("start: TEXT\nTEXT: /[^<](.|\\n)*/\n")
     called = tools.only([choice.name]) if choice.mode == "tool" and choice.name else tools
     call = f"call: {json.dumps(fmt.OPEN)} json {json.dumps(fmt.CLOSE)}\njson: {json_lark(fmt.call_schema(called))}\n"
     calls = f"calls: call ({json.dumps(fmt.SEPARATOR)} call)*\n" if choice.parallel else "calls: call\n"
-    if choice.mode == "auto":  # a text answer cannot start with "<" (the call's first character)
+    if choice.mode == "auto" and response_schema is not None:
+        start = f"start: reply | calls\nreply: {json_lark(response_schema)}\n"
+    elif choice.mode == "auto":  # a text answer cannot start with "<" (the call's first character)
         start = "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n"
     else:
         start = "start: calls\n"

@@ -27,7 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvagent.aio import AsyncEngine
 from kvagent.errors import (ChatTemplateError, ContextOverflowError, EvictionError, FieldValueError, KVAgentError,
-                            KVBlobError, KVCacheFullError, SegmentOrderError, SessionClosedError, SkillFileError)
+                            KVBlobError, KVCacheFullError, SegmentOrderError, SessionClosedError, SkillFileError,
+                            ToolChoiceError, ToolSpecError)
 from kvagent.scheduler import EngineClosedError
 
 from kvagent_server import chat, sessions_api
@@ -38,7 +39,8 @@ from kvagent_server.schemas import SESSION_ID, ChatRequest, FieldsSet, SessionCr
 from kvagent_server.state import ServerState
 
 log = logging.getLogger(__name__)
-UNPROCESSABLE = (FieldValueError, SegmentOrderError, EvictionError, SkillFileError, ChatTemplateError, KVBlobError)
+UNPROCESSABLE = (FieldValueError, SegmentOrderError, EvictionError, SkillFileError, ChatTemplateError, KVBlobError,
+                 ToolSpecError, ToolChoiceError)
 
 
 def create_app(config: ServerConfig | None = None, *, engine: AsyncEngine | None = None) -> FastAPI:

@@ -3,8 +3,14 @@
 A request's messages become the session's prompt through ``kvagent.messages`` (the mapping every adapter
 shares): a client that resends its history has only its new messages appended, so the cached prefix,
 errata and skills stay where they are. Everything is checked before the session changes: the model name,
-what the server cannot honour, and whether the prompt fits (413). A client that goes away cancels its
-generation at the next token, and the turn is rolled back.
+what the server cannot honour, the tools, tool choice and reply format (``kvagent_server.tools``), and whether
+the prompt fits (413). A client that goes away cancels its generation at the next token, and the turn is rolled
+back.
+
+Tools: their segments (one compiled skill per tool, cached by the tools' JSON) follow the server's own segments;
+a request whose tool set differs from the previous one's rebuilds the prompt from there (the cached prefix before
+them is still reused). A tool-call turn is logged as its calls, so the history a client resends (the assistant
+message with ``tool_calls``, then the ``tool`` results) extends the cached prompt instead of rebuilding it.
 """
 
 from __future__ import annotations
@@ -26,28 +32,35 @@ from starlette.types import Receive, Scope, Send
 from kvagent.aio import AsyncGenerationStream
 from kvagent.errors import KVAgentError
 from kvagent.generation import Generation
-from kvagent.messages import ChatMessage
+from kvagent.messages import ChatMessage, is_message_segment
 from kvagent.segments import Segment
 
 from kvagent_server.errors import InvalidRequest, NotFound
 from kvagent_server.schemas import ChatRequest
 from kvagent_server.state import ServerState
 from kvagent_server.sessions import Entry
+from kvagent_server.tools import NO_TOOLS, StreamedCalls, TurnTools, chat_messages, logged_reply, reply_message, turn_tools
 
 
 log = logging.getLogger(__name__)
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 @dataclass(frozen=True)
 class Turn:
-    """One checked request: the prompt's segments, its length, the reply budget and sampling."""
+    """One checked request: the prompt's segments, its length, the reply budget, sampling and tools."""
 
     messages: list[ChatMessage]
     segments: list[Segment]
     prompt_tokens: int
     max_tokens: int
     sampling: dict[str, Any]
+    tools: TurnTools = NO_TOOLS
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """What the decoder takes: sampling, and the tools' options."""
+        return {**self.sampling, **self.tools.options}
 
 
 def session_key(body: ChatRequest, request: Request) -> str | None:
@@ -65,37 +78,41 @@ def check_request(state: ServerState, body: ChatRequest) -> list[ChatMessage]:
                        param="model", code="model_not_found")
     if body.n != 1:
         raise InvalidRequest(f"n: only 1 choice per request is supported, got {body.n}", param="n")
-    if body.tools:
-        raise InvalidRequest("tools: tool calling is not supported by kvagent serve; send tool results as "
-                             "messages with role 'tool'", param="tools")
     if body.logprobs:
         raise InvalidRequest("logprobs: not supported by kvagent serve", param="logprobs")
     if len(body.stops()) > 4:
         raise InvalidRequest("stop: at most 4 stop strings", param="stop")
-    messages = []
-    for i, m in enumerate(body.messages):
-        text = m.text()
-        if text is None:
-            raise InvalidRequest(f"messages.{i}.content: a message needs text content (tool calls are not "
-                                 "supported)", param=f"messages.{i}.content")
-        role = "system" if m.role == "developer" else m.role
-        messages.append(ChatMessage(role, text, m.name))  # type: ignore[arg-type]
-    return messages
+    return chat_messages(body.messages)
 
 
-def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: ChatRequest) -> tuple[Turn, int]:
+def _described(segments: Any) -> list[tuple[str, str]]:
+    return [(s.id, s.text) for s in segments]
+
+
+def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: ChatRequest,
+        tools: TurnTools = NO_TOOLS) -> tuple[Turn, int]:
     """The checked turn and the KV cells it may add; 413 when the prompt leaves no room for a reply."""
     session = entry.session
     if session is None:  # pragma: no cover - the request holds an active entry
         raise KVAgentError("chat request on a parked session (internal error)")
-    # MessageLog.plan: a session holding only the server's own segments (policy, fields, errata, skills) and no
-    # message yet gets the messages appended after them, errata included, instead of a rebuild
-    segments = entry.log.plan(list(session.segments), messages, entry.static)
+    current = list(session.segments)
+    described = {s.id for s in (*entry.tools, *tools.segments)}
+    if _described(tools.segments) != _described(entry.tools):
+        # the prompt's static part changes: no fast path over the old prompt (MessageLog.plan rebuilds it, reusing
+        # the cached prefix before the tools)
+        entry.log.commit([])
+        entry.tools = list(tools.segments)
+    if not any(is_message_segment(s) for s in current):
+        # a session with no message yet takes the tools after its own segments, so its errata stay
+        current = [*(s for s in current if s.id not in described), *entry.tools]
+    # MessageLog.plan: a session holding only the server's own segments (policy, fields, errata, skills, tools)
+    # and no message yet gets the messages appended after them, errata included, instead of a rebuild
+    segments = entry.log.plan(current, messages, [*entry.static, *entry.tools])
     wanted = body.max_completion_tokens or body.max_tokens or state.config.default_max_tokens
     room = session.fit(segments, wanted)  # ContextOverflowError -> 413, SegmentOrderError -> 422
     sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                 "stop": body.stops()}
-    return Turn(messages, segments, room.prompt_tokens, room.max_tokens, sampling), room.cells
+    return Turn(messages, segments, room.prompt_tokens, room.max_tokens, sampling, tools), room.cells
 
 
 def usage(gen: Generation) -> dict[str, Any]:
@@ -104,9 +121,10 @@ def usage(gen: Generation) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": gen.reused + gen.transplanted}}
 
 
-def record(state: ServerState, entry: Entry, turn: Turn, gen: Generation) -> None:
-    """The turn is in the session: log its messages and reply, count it."""
-    entry.log.commit([*turn.messages, ChatMessage("assistant", gen.prefix + gen.text)])
+def record(state: ServerState, entry: Entry, turn: Turn, gen: Generation, call_ids: list[str] | None = None) -> None:
+    """The turn is in the session: log its messages and reply (a tool-call turn as its calls, with the ids the
+    client was given: ``call_ids`` for a stream), count it."""
+    entry.log.commit([*turn.messages, logged_reply(gen, call_ids or ())])
     state.metrics.count_generation(gen.reused, gen.computed, gen.transplanted, gen.generated, gen.ttft_s)
     if entry.session is not None:
         evicted = sum(len(c.evicted) for c in entry.session.cycles)
@@ -116,11 +134,12 @@ def record(state: ServerState, entry: Entry, turn: Turn, gen: Generation) -> Non
 
 async def complete(state: ServerState, body: ChatRequest, request: Request) -> Response:
     messages = check_request(state, body)
+    tools = await turn_tools(state.tools, body)  # checked, and compiled on first sight, before taking the session
     key = session_key(body, request)
     stack = AsyncExitStack()
     entry = await stack.enter_async_context(state.sessions.use(key))
     try:
-        turn, cells = fit(state, entry, messages, body)
+        turn, cells = fit(state, entry, messages, body, tools)
         if body.stream:
             await state.sessions.make_room(entry, cells)
     except BaseException:
@@ -138,14 +157,14 @@ async def complete(state: ServerState, body: ChatRequest, request: Request) -> R
     return JSONResponse({
         "id": ident, "object": "chat.completion", "created": int(time.time()), "model": state.model_id,
         "system_fingerprint": state.fingerprint,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": None,
+        "choices": [{"index": 0, "message": reply_message(gen), "logprobs": None,
                      "finish_reason": FINISH.get(gen.finish_reason, gen.finish_reason)}],
         "usage": usage(gen),
     })
 
 
 async def _generate_unless_gone(state: ServerState, entry: Entry, turn: Turn, request: Request) -> Generation | None:
-    work = asyncio.ensure_future(entry.asession.arespond(turn.segments, turn.max_tokens, **turn.sampling))
+    work = asyncio.ensure_future(entry.asession.arespond(turn.segments, turn.max_tokens, **turn.options))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -185,6 +204,7 @@ class _TurnStream(EventSourceResponse):
         self.ident, self.include_usage = ident, include_usage
         self.created = int(time.time())
         self.stream: AsyncGenerationStream | None = None
+        self.calls = StreamedCalls() if turn.tools.calls else None  # the text split into call deltas
         self.recorded = False
         super().__init__(self._events(), ping=15)
 
@@ -199,12 +219,14 @@ class _TurnStream(EventSourceResponse):
     async def _events(self) -> AsyncIterator[dict[str, str]]:
         session = self.entry.asession
         turn = self.turn
-        yield self._chunk({"role": "assistant", "content": ""})
+        calls = self.calls
+        yield self._chunk({"role": "assistant", "content": None if calls is not None else ""})
         try:
-            async with session.astream(turn.max_tokens, segments=turn.segments, **turn.sampling) as stream:
+            async with session.astream(turn.max_tokens, segments=turn.segments, **turn.options) as stream:
                 self.stream = stream
                 async for piece in stream:
-                    yield self._chunk({"content": piece})
+                    for delta in (calls.feed(piece) if calls is not None else [{"content": piece}]):
+                        yield self._chunk(delta)
         except KVAgentError as exc:  # the turn was rolled back; the status line is already sent
             yield {"data": json.dumps({"error": {"message": str(exc), "type": type(exc).__name__, "param": None,
                                                  "code": None}})}
@@ -213,9 +235,14 @@ class _TurnStream(EventSourceResponse):
         gen = stream.result
         if gen is None:  # pragma: no cover - a stream that ended without error has its result
             raise KVAgentError("the stream ended without a result (internal error)")
+        for delta in (calls.finish() if calls is not None else []):
+            yield self._chunk(delta)
         self._record(gen)
         extra = {"usage": None} if self.include_usage else {}
-        yield self._chunk({}, FINISH.get(gen.finish_reason, gen.finish_reason), **extra)
+        finish = FINISH.get(gen.finish_reason, gen.finish_reason)
+        if finish == "tool_calls" and calls is not None and len(calls.ids) > len(gen.tool_calls):
+            finish = "length"  # the last call was streamed in part: the turn was cut, its complete calls are logged
+        yield self._chunk({}, finish, **extra)
         if self.include_usage:
             yield self._event([], usage=usage(gen))
         yield {"data": "[DONE]"}
@@ -223,7 +250,7 @@ class _TurnStream(EventSourceResponse):
     def _record(self, gen: Generation) -> None:
         if not self.recorded:
             self.recorded = True
-            record(self.state, self.entry, self.turn, gen)
+            record(self.state, self.entry, self.turn, gen, self.calls.ids if self.calls is not None else None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -1,7 +1,8 @@
 """Request bodies (pydantic): what ``/v1/chat/completions`` and ``/v1/sessions`` accept.
 
-Chat requests follow OpenAI's chat completions API; fields the server does not use are ignored, fields
-it cannot honour (``n > 1``, tools, logprobs) are refused with 422 naming them.
+Chat requests follow OpenAI's chat completions API, tool calling and structured output included; fields the
+server does not use are ignored, fields it cannot honour (``n > 1``, logprobs, tools that are not functions) are
+refused with 422 naming them.
 """
 
 from __future__ import annotations
@@ -24,14 +25,37 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    """The function of a call an assistant message made: ``arguments`` is a JSON object as a string."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(max_length=64)
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """One call of an assistant message (as the server returned it: ``id``, ``type``, ``function``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class MessageIn(BaseModel):
-    """One chat message (``developer`` is read as ``system``)."""
+    """One chat message (``developer`` is read as ``system``). An assistant message may carry ``tool_calls``
+    (its ``content`` then may be null); a ``tool`` message answers the call ``tool_call_id`` (the tool's name is
+    the one that call named)."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
@@ -45,10 +69,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaIn(BaseModel):
+    """``response_format.json_schema``: the reply is one JSON value following ``schema`` (absent: any JSON
+    object). The reply is always held to the schema by a grammar, so ``strict`` changes nothing."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (free text), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaIn | None = None
+
+
 class ChatRequest(BaseModel):
     """``POST /v1/chat/completions``. Sampling is greedy unless ``temperature`` > 0 (kvagent's default,
     not OpenAI's 1.0). Session key: ``prompt_cache_key``, else ``user`` (or the ``X-KVAgent-Session``
-    header, which wins)."""
+    header, which wins).
+
+    Tools: ``tools`` are OpenAI function tools (``{"type": "function", "function": {"name", "description",
+    "parameters"}}``; at most 128), checked before anything runs (a bad name, a duplicate, a schema the grammar
+    cannot express: 422 naming it). ``tool_choice``: ``auto`` (default with tools: text or a call), ``none``,
+    ``required`` or ``{"type": "function", "function": {"name": ...}}``. A turn that calls is decoded under a
+    grammar, so its calls always parse and follow the tools' schemas. ``parallel_tool_calls``: absent or false,
+    **one call per turn** (kvagent's default; OpenAI's is true): on the small models this server runs, a grammar
+    that allows another call makes them repeat the same call until ``max_tokens``; send true to allow several.
+    ``response_format``: ``text``, ``json_object`` or ``json_schema`` (the reply is held to the schema)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -67,6 +121,11 @@ class ChatRequest(BaseModel):
     user: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
     tools: list[Any] | None = None
+    """Checked by the server (``kvagent_server.tools``), so that a refusal names the tool and the fix."""
+    tool_choice: Any = None
+    """Checked by the server against ``tools`` (an unknown name is a 422 naming the bound ones)."""
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool | None = None
 
     def stops(self) -> list[str]:

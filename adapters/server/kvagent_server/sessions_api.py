@@ -159,6 +159,7 @@ async def save(state: ServerState, key: str) -> bytes:
                 "policy": str(opts.eviction.policy), "budget": opts.eviction.budget, "chunk": opts.eviction.chunk},
             "edit_strategy": opts.edit_strategy,
             "static": [segment_to_dict(s) for s in entry.static],
+            "tools": [segment_to_dict(s) for s in entry.tools],
         }
         snapshot = Snapshot(tuple(session.segments), tuple(entry.log.messages), blob, meta)
     return snapshot.to_bytes()
@@ -179,8 +180,17 @@ def parse_snapshot(data: bytes) -> tuple[Snapshot, SessionOptions, list[Segment]
     return snapshot, options, static
 
 
+def snapshot_tools(snapshot: Snapshot) -> list[Segment]:
+    """The segments of the tools the saved session's last request sent (``Entry.tools``); 422 when corrupt."""
+    try:
+        return [segment_from_dict(d) for d in snapshot.meta.get("tools", [])]
+    except (KeyError, TypeError, ValueError, KVAgentError) as exc:
+        raise InvalidRequest(f"the saved session's header is invalid: tools: {exc}", param="body") from None
+
+
 async def restore(state: ServerState, key: str, data: bytes) -> dict[str, Any]:
     snapshot, options, static = parse_snapshot(data)
+    tools = snapshot_tools(snapshot)
     segments, blob = list(snapshot.segments), snapshot.blob
     await state.sessions.create(key, segments, options)
     try:
@@ -191,7 +201,7 @@ async def restore(state: ServerState, key: str, data: bytes) -> dict[str, Any]:
                 await state.sessions.with_room(entry, n, lambda: session.arestore(blob, segments))
             else:
                 await state.sessions.with_room(entry, n, lambda: session.areplace(segments))
-            entry.static = static
+            entry.static, entry.tools = static, tools
             entry.log.commit(snapshot.messages)
     except BaseException:
         if key in state.sessions.entries:

@@ -1,4 +1,5 @@
-"""What the server's routes share (:class:`ServerState`): the engine, the sessions, the skills, the metrics.
+"""What the server's routes share (:class:`ServerState`): the engine, the sessions, the skills, the tool sets
+seen (:class:`~kvagent_server.tools.ToolCache`), the metrics.
 
 The routes' modules (``chat``, ``sessions_api``) and the app (``app``) all read it; it imports none of them, so
 dependencies run one way: ``app`` -> ``chat`` / ``sessions_api`` -> ``state`` -> ``sessions``.
@@ -15,10 +16,11 @@ from kvagent.skills.spec import SkillSpec, load_skill
 from kvagent_server.config import ServerConfig
 from kvagent_server.metrics import Metrics
 from kvagent_server.sessions import SessionManager
+from kvagent_server.tools import ToolCache
 
 
 class ServerState:
-    """What the routes share: the engine, the sessions, the skills, the metrics."""
+    """What the routes share: the engine, the sessions, the skills, the tool sets, the metrics."""
 
     def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: Metrics, park_dir: Path) -> None:
         self.config, self.engine, self.metrics = config, engine, metrics
@@ -28,6 +30,7 @@ class ServerState:
         self.fingerprint = f"kvagent-{core.fingerprint[:16]}"
         self.renderer = core.renderer(True)
         self.skills: dict[str, SkillSpec] = load_skills(config.skills_dir)
+        self.tools = ToolCache(core)
         self.sessions = SessionManager(engine, metrics, park_dir, max_parked=config.max_parked,
                                        retry_after_s=config.retry_after_s)
 
