@@ -195,7 +195,8 @@ def _bad(params: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("case, request_, param, needle", [
     ("unknown tool_choice name", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "refund"}}},
      "tool_choice", "'refund', which is not bound (bound: lookup_order, get_weather)"),
-    ("duplicate tool names", {"tools": [LOOKUP, LOOKUP]}, "tools", "lookup_order bound more than once"),
+    ("duplicate tool names", {"tools": [LOOKUP, function("lookup_order", "", {"id": {"type": "integer"}}, [])]},
+     "tools", "lookup_order bound more than once, as two different tools"),
     ("unsupported schema keyword", {"tools": [_bad({"uniqueItems": True})]}, "tools",
      "cannot express the JSON-schema keywords uniqueItems"),
     ("malformed schema", {"tools": [_bad({"items": {"type": "nonsense"}})]}, "tools", "Invalid type: nonsense"),
