@@ -39,8 +39,8 @@ FIELD = "field-order_status"
 # decodes the edited prompt in one batch). Measured (Q4 CPU build; this prompt with 10 values of 1-10 tokens,
 # plain and chat, a fresh pool and one holding another session: 40 edits per model): the field identical in 33 of
 # 40 on SmolLM2 (largest error 0.023) and 22 of 40 on Gemma-3 (largest 0.039; the differences start in the middle
-# layers), the prefix identical in all; with the session still holding its cells during the cold prefill, up to 0.045 (field)
-# and 0.036 (prefix). Decoding the field on the very prefix cells in a scratch sequence is not exact either (up
+# layers), the prefix identical in all; with the session still holding its cells during the cold prefill, up to
+# 0.045 (field) and 0.036 (prefix). Decoding the field on the very prefix cells in a scratch sequence is not exact either (up
 # to 0.056 from the splice on Gemma-3). Against that, the old value's field cells are 0.38-0.64 from the cold
 # prefill's (stale downstream cells 0.07-0.31). The bound is twice the largest noise measured on a cold prefill;
 # the old field must exceed three times it.
@@ -167,7 +167,7 @@ def test_the_default_edit_splices_the_field_and_keeps_the_downstream_stale(engin
         assert s.stale_positions == frozenset(downstream) and report.stale == len(downstream) > 10
         assert s.tokens[new.last + 1:] == old_tokens[old.last + 1:]
         after = kv_cells(engine, s.seq)
-        prefix, field = range(0, new.first), range(new.first, new.last + 1)
+        prefix, field = range(new.first), range(new.first, new.last + 1)
 
         # the prefix was kept
         assert equal(rows(after, prefix), rows(before, prefix))
