@@ -513,6 +513,15 @@ def captured_view(engine: Engine) -> CacheView:
     return _VIEWS[engine.model.name]
 
 
+def cells_of(view: CacheView, index: np.ndarray) -> CacheView:
+    """The view restricted to the cells at ``index`` (ascending), every per-cell field with them."""
+    def pick(x: np.ndarray | None) -> np.ndarray | None:
+        return None if x is None else x[index]
+    return replace(view, tokens=view.tokens[index], positions=view.positions[index], pinned=view.pinned[index],
+                   new=view.new[index], hidden=pick(view.hidden), query_hidden=pick(view.query_hidden),
+                   previous=pick(view.previous), texts=None if view.texts is None else tuple(view.texts[i] for i in index))
+
+
 # (query, proxy): the token-level pass of "surprise", and the paper's literal recipe ("surprise-paper")
 VARIANTS = [("previous", "logprob"), ("self", "logit")]
 # Spearman of fast vs full on this view, measured (deterministic for a given llama.cpp and GGUF):
@@ -768,12 +777,13 @@ def test_a_segment_with_a_higher_priority_outlives_later_ones(engines: dict[str,
 @pytest.mark.parametrize("model", MODELS)
 def test_incremental_surprise_follows_cells_that_were_rewritten_or_moved(engines: dict[str, Engine], model: str) -> None:
     """A session that rewrote its tail (same positions, other tokens and states), or evicted cells in the middle,
-    then appended: the state subtracts what changed and adds it again, and still equals the from-scratch pass."""
-    view = captured_view(engines[model])
+    then appended: the state subtracts what changed and adds it again, and still equals the from-scratch pass.
+    On the first 256 cells of the captured view (all 504: 22 s on Gemma-3, its vocabulary head scored 8 times)."""
+    view = cells_of(captured_view(engines[model]), np.arange(256))
     inc = IncrementalSurprise(drift=0.0)
     n = len(view)
     rng = np.random.default_rng(0)
-    tail = np.arange(n - 80, n)
+    tail = np.arange(n - 40, n)
     rewritten_tokens = view.tokens.copy()
     rewritten_tokens[tail] = rng.permutation(view.tokens[tail])
     hidden = view.hidden.copy()  # type: ignore[union-attr]
@@ -782,13 +792,16 @@ def test_incremental_surprise_follows_cells_that_were_rewritten_or_moved(engines
     query = query.copy()
     query[tail[1:]] = hidden[tail[:-1]]
     rewritten = replace(view, tokens=rewritten_tokens, hidden=hidden, query_hidden=query)
-    keep = np.sort(np.r_[np.arange(200), rng.choice(np.arange(200, n - 1), 150, replace=False), n - 1])
-    holes = replace(view, tokens=view.tokens[keep], positions=view.positions[keep], pinned=view.pinned[keep],
-                    new=view.new[keep], hidden=view.hidden[keep],  # type: ignore[index]
-                    query_hidden=None if view.query_hidden is None else view.query_hidden[keep])
+    holes = cells_of(view, np.sort(np.r_[np.arange(100), rng.choice(np.arange(100, n - 1), 75, replace=False), n - 1]))
+    scratch = {}
+    worst = 0.0
     for step in (view, rewritten, holes, view):
-        got, want = inc.score(step), FastSurprise().score(step)
+        if id(step) not in scratch:
+            scratch[id(step)] = FastSurprise().score(step)
+        got, want = inc.score(step), scratch[id(step)]
         finite = np.isfinite(want)
         assert np.array_equal(finite, np.isfinite(got))
-        assert np.abs(got[finite] - want[finite]).max() <= 1e-4
+        worst = max(worst, float(np.abs(got[finite] - want[finite]).max()))
+    print(f"\n[{model}] rewritten tail, holes, back: max |incremental - scratch| {worst:.2e}")
+    assert worst <= EXACT_BOUND
     assert inc.stats.keys_added > 0
