@@ -519,7 +519,8 @@ def cells_of(view: CacheView, index: np.ndarray) -> CacheView:
         return None if x is None else x[index]
     return replace(view, tokens=view.tokens[index], positions=view.positions[index], pinned=view.pinned[index],
                    new=view.new[index], hidden=pick(view.hidden), query_hidden=pick(view.query_hidden),
-                   previous=pick(view.previous), texts=None if view.texts is None else tuple(view.texts[i] for i in index))
+                   previous=pick(view.previous),
+                   texts=None if view.texts is None else tuple(view.texts[i] for i in index))
 
 
 # (query, proxy): the token-level pass of "surprise", and the paper's literal recipe ("surprise-paper")
