@@ -337,6 +337,9 @@ def test_the_cases_cover_the_policies_on_smollm2_and_the_fast_ones_on_both() -> 
     assert {(m, pol) for m in MODELS for pol in ("window", "random")} <= default
     assert {(S, pol) for pol in ("window", "random", "h2o", "tova", "importance", "surprise")} <= default
     assert {c.policy for p in CASES for c in p.values} <= set(POLICIES)
+    # a scattered eviction (surprise) replayed on both models in the default run
+    assert {(m, "surprise") for m in MODELS} <= {(c.model, c.policy) for p in CASES if not p.marks for c in p.values
+                                                  if c.replay}
 
 
 # --- the checks, one per property ----------------------------------------------------------------------
