@@ -19,7 +19,7 @@ keeps between cycles (one instance per session, as every stateful policy):
   with ``mu0 = E_softmax[w]``, the gradient of ``log Z`` at ``n0``, summed over the 512 most probable
   entries (its error is second order in the move; measured in BENCHMARKS.md). At most ``refresh`` rows
   per cycle are recomputed (new rows and large moves first), so a cycle's cost does not grow with n. ``drift=0`` recomputes every row: the scores then equal a from-scratch pass
-  within float error (tested to 1e-4 on both models).
+  within float error (tested to 2e-5 on both models).
 
 Cells whose token or captured state changed (the session rewrote its tail) are treated as removed and
 added again. State shapes: ``k, v: [kv_heads, n, head_dim]`` float32; ``q: [heads, n, head_dim]``;

@@ -12,8 +12,10 @@ from kvagent.errors import FieldValueError
 from kvagent.fields import FieldSpec
 from tests.conftest import cosine
 
-STATUS = FieldSpec(name="order_status", allowed=("processing", "shipped", "delivered", "cancelled"), initial="processing",
-                   template="Record: The order status is {value}.")
+# "shipped" and "cancelled" tokenize to as many tokens as "processing" on both models; "held at customs" is longer
+LONGER = "held at customs"
+STATUS = FieldSpec(name="order_status", allowed=("processing", "shipped", "delivered", "cancelled", LONGER),
+                   initial="processing", template="Record: The order status is {value}.")
 NOTES = Segment.memory("Notes: The customer prefers email. The parcel goes to a pick-up point near the station.")
 POLICY = Segment.policy("Answer each question from the record above it.")
 
@@ -56,7 +58,7 @@ def test_erratum_appends_and_keeps_the_prefix_byte_identical(engine: Engine) -> 
         assert cosine(s.logits(), cold(engine, list(s.segments))) >= 0.999
 
 
-@pytest.mark.parametrize("value", ["shipped", "cancelled"])  # same and different token length as the initial
+@pytest.mark.parametrize("value", ["shipped", LONGER])  # same and different token length as the initial
 def test_splice_refreshing_everything_equals_recompute(engine: Engine, value: str) -> None:
     probe = question_segments("Question: What is the order status?\nAnswer:")
     with open_session(engine) as s:
@@ -74,7 +76,7 @@ def test_splice_refreshing_everything_equals_recompute(engine: Engine, value: st
     assert cosine(spliced, reference) >= 0.999 and cosine(recomputed, reference) >= 0.999
 
 
-@pytest.mark.parametrize("value", ["shipped", "cancelled"])
+@pytest.mark.parametrize("value", ["shipped", LONGER])  # same and different token length
 def test_field_only_keeps_downstream_stale_and_never_shares_it(engine: Engine, value: str) -> None:
     with open_session(engine) as s:
         old = s.rendered
@@ -211,6 +213,13 @@ def test_a_splice_that_cannot_be_exact_reports_the_recompute_and_warns_once(
 
 
 # --- splices behind Gemma-3's sliding window (issue 14, item 4; native/patches/llama.cpp-swa-full.patch) ----
+def past_the_window(engine: Engine) -> int:
+    """Tokens of notes that put more than the sliding window (Gemma-3: 512) downstream of the field: 900. A model
+    without one (SmolLM2) has no window to be behind: it runs the same edits over 200 tokens of notes, checked
+    against a cold run alike (63 s on SmolLM2 with 900 tokens for the three tests below)."""
+    return 900 if engine.backend.n_swa else 200
+
+
 def test_the_build_keeps_every_sliding_window_cell(engine: Engine) -> None:
     """kvagent's set-up builds llama.cpp with its patch: a full-size sliding-window cache keeps every cell, so
     splices behind the window are exact. An unpatched llama-cpp-python fails here (and edits behind the
@@ -221,15 +230,15 @@ def test_the_build_keeps_every_sliding_window_cell(engine: Engine) -> None:
     assert engine.backend.capabilities.swa_keeps_all
 
 
-@pytest.mark.parametrize("value", ["shipped", "cancelled"])  # same and different token length
+@pytest.mark.parametrize("value", ["shipped", LONGER])  # same and different token length
 def test_a_splice_behind_the_sliding_window_is_exact_after_the_session_grew(engine: Engine, value: str) -> None:
     """More than the sliding window (Gemma-3: 512) downstream of the field: a field-only edit, then a turn
     appended (unpatched, llama.cpp reuses the cells behind the window here and drops every earlier position
     of the sequence's SWA cache), then a splice refreshing every downstream position: it runs as a splice
     (no recompute), the sequence still holds position 0, and the logits equal a cold run (>= 0.999)."""
     probe = question_segments("Question: What is the order status?\nAnswer:")
-    with engine.session([POLICY, STATUS.segment(), _long_notes(engine, 900)], chat=False, fields=[STATUS],
-                        share_prefix=False) as s:
+    notes = _long_notes(engine, past_the_window(engine))
+    with engine.session([POLICY, STATUS.segment(), notes], chat=False, fields=[STATUS], share_prefix=False) as s:
         s.prefill()
         first = s.set("order_status", "delivered", strategy="field_only")
         s.extend(Segment.memory("Note: the customer called twice about the parcel."))
@@ -245,8 +254,8 @@ def test_a_save_behind_the_sliding_window_restores_and_splices_exactly(engine: E
     """A saved long session keeps its sliding-window cells behind the window: after a restore a full-refresh
     splice runs as a splice and equals a cold run (unpatched, the save keeps only the window and the edit
     recomputes from 0)."""
-    with engine.session([POLICY, STATUS.segment(), _long_notes(engine, 900)], chat=False, fields=[STATUS],
-                        share_prefix=False) as s:
+    notes = _long_notes(engine, past_the_window(engine))
+    with engine.session([POLICY, STATUS.segment(), notes], chat=False, fields=[STATUS], share_prefix=False) as s:
         s.prefill()
         segments, blob = list(s.segments), s.save()
         s.set("order_status", "cancelled", strategy="recompute")

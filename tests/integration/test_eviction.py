@@ -300,6 +300,9 @@ CASES = [
     pytest.param(Case(S, "surprise-token", 700)),
     pytest.param(Case(G, "window", 700, replay=True)),
     pytest.param(Case(G, "random", 700)),
+    # scattered evictions on Gemma-3 replayed (its sliding-window cache, see pristine()): 400 prompt tokens, 2
+    # cycles, 6 s (the 700-token case, slow: 12 s)
+    pytest.param(Case(G, "surprise", 330, replay=True)),
     # budget + chunk + margin == n_ctx and the chunk does not divide budget + chunk: a chunk must stop where
     # the cycle falls due (before the fix in Session._decode_run the 5th chunk of 56 went to 280 cells and
     # llama_decode found no free cell in the pool of 256)
@@ -334,6 +337,9 @@ def test_the_cases_cover_the_policies_on_smollm2_and_the_fast_ones_on_both() -> 
     assert {(m, pol) for m in MODELS for pol in ("window", "random")} <= default
     assert {(S, pol) for pol in ("window", "random", "h2o", "tova", "importance", "surprise")} <= default
     assert {c.policy for p in CASES for c in p.values} <= set(POLICIES)
+    # a scattered eviction (surprise) replayed on both models in the default run
+    assert {(m, "surprise") for m in MODELS} <= {(c.model, c.policy) for p in CASES if not p.marks for c in p.values
+                                                  if c.replay}
 
 
 # --- the checks, one per property ----------------------------------------------------------------------
@@ -510,6 +516,16 @@ def captured_view(engine: Engine) -> CacheView:
     return _VIEWS[engine.model.name]
 
 
+def cells_of(view: CacheView, index: np.ndarray) -> CacheView:
+    """The view restricted to the cells at ``index`` (ascending), every per-cell field with them."""
+    def pick(x: np.ndarray | None) -> np.ndarray | None:
+        return None if x is None else x[index]
+    return replace(view, tokens=view.tokens[index], positions=view.positions[index], pinned=view.pinned[index],
+                   new=view.new[index], hidden=pick(view.hidden), query_hidden=pick(view.query_hidden),
+                   previous=pick(view.previous),
+                   texts=None if view.texts is None else tuple(view.texts[i] for i in index))
+
+
 # (query, proxy): the token-level pass of "surprise", and the paper's literal recipe ("surprise-paper")
 VARIANTS = [("previous", "logprob"), ("self", "logit")]
 # Spearman of fast vs full on this view, measured (deterministic for a given llama.cpp and GGUF):
@@ -641,63 +657,105 @@ def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine]
 
 # --- the incremental surprise pass equals the from-scratch one (issue 13) --------------------------------
 class AgainstScratch(EvictionPolicy):
-    """Scores every cycle with the incremental policy (which drives the session) and, on the same view, the
-    from-scratch fast pass; records the largest score difference and whether both keep the same cells."""
+    """Scores every cycle with the default incremental policy (which drives the session), the exact one
+    (``drift=0``) and, on the same view, the from-scratch fast pass; records per drift the largest score
+    difference, its 99th percentile, and how many of the cells each keeps the from-scratch choice keeps."""
 
     needs_hidden = True
 
-    def __init__(self, drift: float, budget: int) -> None:
-        self.inc, self.name, self.budget = IncrementalSurprise(drift=drift), "surprise", budget
-        self.diffs: list[float] = []
-        self.p99: list[float] = []
-        self.same_keep: list[float] = []
-        self.refreshed: list[float] = []
+    def __init__(self, budget: int) -> None:
+        self.name, self.budget = "surprise", budget
+        self.incs = {drift: IncrementalSurprise(drift=drift) for drift in DRIFTS}  # the driver first
+        self.diffs: dict[float, list[float]] = {drift: [] for drift in DRIFTS}
+        self.p99: dict[float, list[float]] = {drift: [] for drift in DRIFTS}
+        self.same_keep: dict[float, list[float]] = {drift: [] for drift in DRIFTS}
+        self.refreshed: dict[float, list[float]] = {drift: [] for drift in DRIFTS}
 
     def score(self, view: CacheView) -> np.ndarray:
-        got = self.inc.score(view)
         want = FastSurprise().score(view)
         finite = np.isfinite(want)
-        assert np.array_equal(finite, np.isfinite(got))
-        diff = np.abs(got[finite] - want[finite])
-        self.diffs.append(float(diff.max()))
-        self.p99.append(float(np.quantile(diff, 0.99)))
-        a, b = select_keep(got, view.pinned, self.budget), select_keep(want, view.pinned, self.budget)
-        self.same_keep.append(len(set(a.tolist()) & set(b.tolist())) / len(b))
-        self.refreshed.append(self.inc.stats.head_refreshed / max(self.inc.stats.cells, 1))
-        return got
+        b = select_keep(want, view.pinned, self.budget)
+        scores = {}
+        for drift, inc in self.incs.items():
+            got = scores[drift] = inc.score(view)
+            assert np.array_equal(finite, np.isfinite(got))
+            diff = np.abs(got[finite] - want[finite])
+            self.diffs[drift].append(float(diff.max()))
+            self.p99[drift].append(float(np.quantile(diff, 0.99)))
+            a = select_keep(got, view.pinned, self.budget)
+            self.same_keep[drift].append(len(set(a.tolist()) & set(b.tolist())) / len(b))
+            self.refreshed[drift].append(inc.stats.head_refreshed / max(inc.stats.cells, 1))
+        return scores[DRIFTS[0]]
 
     def kept(self, positions: np.ndarray) -> None:
-        self.inc.kept(positions)
+        for inc in self.incs.values():
+            inc.kept(positions)
 
 
-@pytest.mark.parametrize(("model", "drift"), [(S, 0.0), (G, 0.0), (S, 0.05), (G, 0.05)])
+DRIFTS = (0.05, 0.0)  # the default (drives the session), and every row's vocabulary head recomputed
+INCREMENTAL_PROSE = 800  # 9 cycles of 64 at a quarter of the prompt
+# The incremental pass against the from-scratch one, measured on the shipped GGUFs (CPU build, deterministic:
+# repeated runs identical) over 7 sessions per model (1,000 prose tokens from paragraphs 0, 12, 30 and 50 at
+# budgets n/4 and n/3, 800 tokens from paragraph 0: 9-14 cycles; the test runs the last):
+#   drift=0: largest |incremental - scratch| 7.6e-6-1.1e-5 on both models (float error).
+#   default drift (first-order log Z for rows not refreshed), largest error / 99th percentile / least share of
+#   the from-scratch keep set kept:
+#     SmolLM2 0.095-0.172 / 0.043-0.069 / 0.9918 (this test: 0.124 / 0.051 / 0.9953)
+#     Gemma-3 0.379-0.767 / 0.081-0.180 / 0.9952 (this test: 0.509 / 0.081 / 0.9952)
+#   Gemma-3's largest errors are single rows (its 262k-entry head moves more per unit of state); the p99 is 2-7x
+#   under the max on both.
+# Bounds: 1.5x the worst measured over the 7 sessions (1 - keep: 1.5x the worst disagreement), per model; Gemma-3's
+# 99th percentile keeps the earlier 0.25 (1.4x its worst, 3x this test's). They
+# hold for the shipped files only: on the 4-layer truncated SmolLM2 of the GPU check the default's largest error
+# was 1.14 nats (BENCHMARKS.md, GPU run 2): a truncated model's last-layer states are not a real model's, so
+# there the drift=0 exactness is checked and the default's bounds are not.
+EXACT_BOUND = 2e-5
+DRIFT_BOUNDS = {  # model: (largest error, 99th percentile, least keep-set agreement)
+    S: (0.26, 0.11, 0.987),
+    G: (1.15, 0.25, 0.992),
+}
+MEASURED_ON = {S: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+               G: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"}
+_AGAINST: dict[str, AgainstScratch] = {}
+
+
+def against_scratch(engine: Engine) -> AgainstScratch:
+    """One session per model with the code sentence in the prose, evicted to a quarter of its length."""
+    if engine.model.name not in _AGAINST:
+        pristine(engine)
+        text = prose(engine, INCREMENTAL_PROSE).split("\n\n")
+        text.insert(len(text) // 2, CODE_SENTENCE)
+        segs = [Segment.user("\n\n".join(text))]
+        with engine.session(segs) as probe:
+            n = len(probe.rendered.tokens)
+        policy = AgainstScratch(n // 4)
+        with engine.session(segs, eviction=Eviction(KeepSinks(policy, 4), budget=n // 4, chunk=CHUNK)) as s:
+            s.prefill()
+        _AGAINST[engine.model.name] = policy
+    return _AGAINST[engine.model.name]
+
+
+@pytest.mark.parametrize("drift", [0.0, 0.05])
+@pytest.mark.parametrize("model", MODELS)
 def test_incremental_surprise_equals_the_from_scratch_pass(engines: dict[str, Engine], model: str, drift: float) -> None:
     """drift=0 (every row's vocabulary head recomputed): the online-softmax state, updated with the new keys
-    and the evicted ones subtracted, gives the from-scratch scores within 1e-4 (measured 9.5e-6 on both).
-    The default (first-order log Z for the rows not refreshed) is approximate: what must hold is the cells it
-    keeps (measured agreement >= 0.996 on both models); its largest score error was 0.095 nats (SmolLM2) and
-    0.70 (Gemma-3, one row; 99th percentile 0.044 and 0.175), so the bound on it only catches a broken update (a wrong sign of mu gives nats
-    on every row), and the 99th percentile is checked too."""
+    and the evicted ones subtracted, gives the from-scratch scores to float error. The default (first-order
+    log Z for the rows not refreshed) is approximate: the cells it keeps, its largest error and its 99th
+    percentile are held to the bounds measured on each model (DRIFT_BOUNDS)."""
     engine = engines[model, 2048]
-    pristine(engine)
-    text = prose(engine, CODE_PROSE).split("\n\n")
-    text.insert(len(text) // 2, CODE_SENTENCE)
-    segs = [Segment.user("\n\n".join(text))]
-    with engine.session(segs) as probe:
-        n = len(probe.rendered.tokens)
-    budget = n // 4
-    policy = AgainstScratch(drift, budget)
-    with engine.session(segs, eviction=Eviction(KeepSinks(policy, 4), budget=budget, chunk=CHUNK)) as s:
-        s.prefill()
-    print(f"\n[{model} drift={drift}] {len(policy.diffs)} cycles: max |incremental - scratch| "
-          f"{max(policy.diffs):.2e} (99th percentile {max(policy.p99):.2e}), keep-set agreement min "
-          f"{min(policy.same_keep):.4f}, "
-          f"vocabulary rows recomputed {np.mean(policy.refreshed):.2f} of the scored")
-    assert len(policy.diffs) >= 8
+    policy = against_scratch(engine)
+    diffs, p99, keep = policy.diffs[drift], policy.p99[drift], policy.same_keep[drift]
+    print(f"\n[{model} drift={drift}] {len(diffs)} cycles: max |incremental - scratch| {max(diffs):.2e} "
+          f"(99th percentile {max(p99):.2e}), keep-set agreement min {min(keep):.4f}, "
+          f"vocabulary rows recomputed {np.mean(policy.refreshed[drift]):.2f} of the scored")
+    assert len(diffs) >= 8
     if drift == 0:
-        assert max(policy.diffs) <= 1e-4
-    else:
-        assert min(policy.same_keep) >= 0.98 and max(policy.p99) <= 0.25 and max(policy.diffs) <= 1.5
+        assert max(diffs) <= EXACT_BOUND
+        return
+    if engine.fingerprint != MEASURED_ON[model]:
+        pytest.skip(f"the default drift's bounds were measured on the shipped {model} GGUF, not on this file")
+    largest, percentile, agreement = DRIFT_BOUNDS[model]
+    assert max(diffs) <= largest and max(p99) <= percentile and min(keep) >= agreement
 
 
 # --- segment eviction priority (issue 13) --------------------------------------------------------------
@@ -723,12 +781,13 @@ def test_a_segment_with_a_higher_priority_outlives_later_ones(engines: dict[str,
 @pytest.mark.parametrize("model", MODELS)
 def test_incremental_surprise_follows_cells_that_were_rewritten_or_moved(engines: dict[str, Engine], model: str) -> None:
     """A session that rewrote its tail (same positions, other tokens and states), or evicted cells in the middle,
-    then appended: the state subtracts what changed and adds it again, and still equals the from-scratch pass."""
-    view = captured_view(engines[model])
+    then appended: the state subtracts what changed and adds it again, and still equals the from-scratch pass.
+    On the first 256 cells of the captured view (all 504: 22 s on Gemma-3, its vocabulary head scored 8 times)."""
+    view = cells_of(captured_view(engines[model]), np.arange(256))
     inc = IncrementalSurprise(drift=0.0)
     n = len(view)
     rng = np.random.default_rng(0)
-    tail = np.arange(n - 80, n)
+    tail = np.arange(n - 40, n)
     rewritten_tokens = view.tokens.copy()
     rewritten_tokens[tail] = rng.permutation(view.tokens[tail])
     hidden = view.hidden.copy()  # type: ignore[union-attr]
@@ -737,13 +796,16 @@ def test_incremental_surprise_follows_cells_that_were_rewritten_or_moved(engines
     query = query.copy()
     query[tail[1:]] = hidden[tail[:-1]]
     rewritten = replace(view, tokens=rewritten_tokens, hidden=hidden, query_hidden=query)
-    keep = np.sort(np.r_[np.arange(200), rng.choice(np.arange(200, n - 1), 150, replace=False), n - 1])
-    holes = replace(view, tokens=view.tokens[keep], positions=view.positions[keep], pinned=view.pinned[keep],
-                    new=view.new[keep], hidden=view.hidden[keep],  # type: ignore[index]
-                    query_hidden=None if view.query_hidden is None else view.query_hidden[keep])
+    holes = cells_of(view, np.sort(np.r_[np.arange(100), rng.choice(np.arange(100, n - 1), 75, replace=False), n - 1]))
+    scratch = {}
+    worst = 0.0
     for step in (view, rewritten, holes, view):
-        got, want = inc.score(step), FastSurprise().score(step)
+        if id(step) not in scratch:
+            scratch[id(step)] = FastSurprise().score(step)
+        got, want = inc.score(step), scratch[id(step)]
         finite = np.isfinite(want)
         assert np.array_equal(finite, np.isfinite(got))
-        assert np.abs(got[finite] - want[finite]).max() <= 1e-4
+        worst = max(worst, float(np.abs(got[finite] - want[finite]).max()))
+    print(f"\n[{model}] rewritten tail, holes, back: max |incremental - scratch| {worst:.2e}")
+    assert worst <= EXACT_BOUND
     assert inc.stats.keys_added > 0

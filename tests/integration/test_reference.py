@@ -25,8 +25,10 @@ def test_next_token_logits_match_llama_cpp_on_512_tokens(engine, reference) -> N
     assert result.clear_top1 >= 0.99
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
-def test_exact_on_a_float32_copy_of_the_weights(model: str) -> None:
+# Gemma-3 on 128 tokens (its reference forward and 262k-entry head: 3 s instead of 13 s for 256); measured min
+# cosine 0.9999987 on both lengths (SmolLM2 0.9999915), top-1 equal everywhere
+@pytest.mark.parametrize(("model", "n_tokens"), [("smollm2-135m", 256), ("gemma3-270m", 128)])
+def test_exact_on_a_float32_copy_of_the_weights(model: str, n_tokens: int) -> None:
     from kvagent.engine import Engine
     from kvagent.models import resolve_model
     from kvagent.reference.export import export_f32
@@ -34,7 +36,7 @@ def test_exact_on_a_float32_copy_of_the_weights(model: str) -> None:
 
     ref = ReferenceModel.load(resolve_model(model).path)
     with Engine.load(str(export_f32(resolve_model(model))), n_ctx=1024, n_seq_max=2) as f32_engine:
-        result = compare(f32_engine, ref, prose_prompts(f32_engine, 1, 256))
+        result = compare(f32_engine, ref, prose_prompts(f32_engine, 1, n_tokens))
     assert result.min_cosine >= 0.99999
     assert result.top1 == 1.0
 

@@ -34,6 +34,22 @@ def library(engine: Engine, tmp_path: Path) -> Iterator[SkillLibrary]:
         engine.skills = previous
 
 
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("skills")
+
+
+@pytest.fixture()
+def compiled(engine: Engine, shared_store: Path) -> Iterator[SkillLibrary]:
+    """One store for the tests that only use compiled skills (blobs are keyed by the model's fingerprint): each
+    skill compiles once per model in this module (the 1.7k-token manual: 4-7 s a compile), not once per test."""
+    previous = engine._skills
+    engine.skills = engine.skill_library(SkillStore(shared_store))
+    yield engine.skills
+    if previous is not None:
+        engine.skills = previous
+
+
 def recompute(engine: Engine, segments: list[Segment]) -> np.ndarray:
     with engine.session(segments, share_prefix=False) as s:
         report = s.prefill()
@@ -58,7 +74,7 @@ def kv_bytes(engine: Engine, session: Session) -> bytes:
     return engine.backend.seq_save(session.seq)
 
 
-def test_include_transplants_and_matches_a_recompute(engine: Engine, library: SkillLibrary) -> None:
+def test_include_transplants_and_matches_a_recompute(engine: Engine, compiled: SkillLibrary) -> None:
     spec = SHIPPED["product-manual"]
     with engine.session([POLICY], share_prefix=False) as s:
         s.prefill()
@@ -74,21 +90,22 @@ def test_include_transplants_and_matches_a_recompute(engine: Engine, library: Sk
     assert int(reference.argmax()) in np.argsort(-ours)[:5]
 
 
-def test_transplant_behind_its_own_sink_is_exact(engine: Engine, library: SkillLibrary) -> None:
+def test_transplant_behind_its_own_sink_is_exact(engine: Engine, compiled: SkillLibrary) -> None:
     """With only the sink before it (no RoPE shift, no missing context) a transplant equals a prefill."""
     empty = Segment.policy("")  # renders to the very tokens skills are compiled behind
     renderer = engine.renderer(True)
-    assert list(renderer.render([empty]).tokens) == library.sink(renderer)
-    segments = [empty, library.segment(SHIPPED["product-manual"], renderer), QUESTION]
+    assert list(renderer.render([empty]).tokens) == compiled.sink(renderer)
+    segments = [empty, compiled.segment(SHIPPED["product-manual"], renderer), QUESTION]
     with engine.session(segments, share_prefix=False) as s:
         assert s.prefill().transplanted > 1000
         ours = s.logits()
     assert cosine(ours, cold_logits(engine, segments)) >= 0.998
 
 
-def test_several_skills_in_any_order_between_segments(engine: Engine, library: SkillLibrary) -> None:
+def test_several_skills_in_any_order_between_segments(engine: Engine, compiled: SkillLibrary) -> None:
     renderer = engine.renderer(True)
-    a, b, c = (library.segment(SHIPPED[n], renderer) for n in ("refund-policy", "lookup-order-tool", "coding-guideline"))
+    names = ("refund-policy", "lookup-order-tool", "coding-guideline")
+    a, b, c = (compiled.segment(SHIPPED[n], renderer) for n in names)
     prompts = [
         [POLICY, a, Segment.field("order_status", "shipped"), b, QUESTION],
         [POLICY, b, c, a, Segment.memory("The customer prefers email."), QUESTION],
@@ -103,7 +120,7 @@ def test_several_skills_in_any_order_between_segments(engine: Engine, library: S
         assert cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
 
 
-def test_a_prompt_ending_in_a_skill_still_has_exact_logits_shape(engine: Engine, library: SkillLibrary) -> None:
+def test_a_prompt_ending_in_a_skill_still_has_exact_logits_shape(engine: Engine, compiled: SkillLibrary) -> None:
     with engine.session([POLICY], share_prefix=False) as s:
         report = s.include(SHIPPED["refund-policy"])
         assert report.transplanted > 0
