@@ -96,6 +96,8 @@ class Session:
 
     def cached_spans(self) -> list[tuple[Span, tuple[int, ...]]]:
         """Provenance: each span of the prompt with the positions of it still cached."""
+        if not self._segments:  # nothing rendered yet (a session opened empty)
+            return []
         gone = self.cache.evicted
         return [(s, tuple(p for p in range(s.first, s.last + 1) if p not in gone)) for s in self.rendered.spans]
 

@@ -38,12 +38,17 @@ def skills_compile(
         for spec in specs:
             progress.update(task, description=f"{spec.name}")
             try:
-                skill, entry = engine.skills.compile(spec, renderer)
+                if spec.tools:  # its tools' segments, as binding them would compile them
+                    segments = engine.tool_segments(spec.toolset(), chat=not plain)
+                    n = sum(len(renderer.segment_tokens(s)) for s in segments)
+                    progress.console.print(f"{spec.name}: {len(segments) - 1} tools, {n} tokens")
+                else:
+                    skill, entry = engine.skills.compile(spec, renderer)
+                    state = f"{entry.bytes / 1e6:.1f} MB" if entry else "already compiled"
+                    progress.console.print(f"{spec.name}: {len(skill.tokens)} tokens, {state}")
             except KVAgentError as exc:
                 console.print(f"[red]error:[/] {spec.name}: {exc}")
                 raise typer.Exit(1) from exc
-            state = f"{entry.bytes / 1e6:.1f} MB" if entry else "already compiled"
-            progress.console.print(f"{spec.name}: {len(skill.tokens)} tokens, {state}")
             progress.advance(task)
 
 

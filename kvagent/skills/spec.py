@@ -9,13 +9,32 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvagent.errors import SkillFileError
+from kvagent.errors import SkillFileError, ToolSpecError
 from kvagent.segments import Segment
+
+if TYPE_CHECKING:
+    from kvagent.tools.spec import ToolSet
+
+
+class ToolDeclaration(BaseModel):
+    """A tool a skill file declares: what the model reads (name, description, parameters) and what runs it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    """The name the model calls it by (OpenAI's function-name pattern)."""
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    """The JSON schema of its arguments (an object schema)."""
+    implementation: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """The Python function that runs it, ``module:function`` (imported when the tool first runs)."""
+    confirm: bool = False
+    """Ask the person before running it (a tool with side effects)."""
 
 
 class SkillSpec(BaseModel):
@@ -32,7 +51,10 @@ class SkillSpec(BaseModel):
     text: str | None = None
     """The skill's text (rules, document, memory)."""
     tool: dict[str, Any] | None = None
-    """A tool's JSON schema (``name``, ``description``, ``parameters``); rendered as sorted JSON."""
+    """A tool's JSON schema (``name``, ``description``, ``parameters``) as a document: rendered as sorted JSON."""
+    tools: tuple[ToolDeclaration, ...] = ()
+    """Tools the model may call (``kind: tool``): bound, not rendered as text; each becomes a compiled tool
+    segment (``kvagent.tools.format``) and, with an ``implementation``, runs in ``kvagent chat``."""
     seam: int = Field(4, ge=0, le=64)
     """Tokens at the start of the skill recomputed in context when it is transplanted (seam repair)."""
     pinned: bool = False
@@ -46,13 +68,23 @@ class SkillSpec(BaseModel):
     @model_validator(mode="after")
     def _one_body(self) -> SkillSpec:
         if self.kind == "tool":
-            if self.tool is None or self.text is not None:
-                raise ValueError("a tool skill has a `tool` schema and no `text`")
-            if "name" not in self.tool:
+            if (self.tool is None) == (not self.tools) or self.text is not None:
+                raise ValueError("a tool skill has either a `tool` schema (a document) or a `tools` list, and no `text`")
+            if self.tool is not None and "name" not in self.tool:
                 raise ValueError("the tool schema needs a `name`")
-        elif self.text is None or self.tool is not None or not self.text.strip():
+            self.toolset()  # names, duplicates and schemas the grammar cannot express are refused here
+        elif self.text is None or self.tool is not None or self.tools or not self.text.strip():
             raise ValueError(f"a {self.kind} skill has a non-empty `text` and no `tool`")
         return self
+
+    def toolset(self) -> ToolSet:
+        """The tools this skill declares (empty for other skills)."""
+        from kvagent.tools.spec import ToolSet, ToolSpec
+
+        try:
+            return ToolSet(ToolSpec(t.name, t.description, t.parameters, t.implementation, t.confirm) for t in self.tools)
+        except ToolSpecError as exc:
+            raise ValueError(str(exc)) from None
 
     def body(self) -> str:
         """The text the model sees."""
@@ -61,6 +93,10 @@ class SkillSpec(BaseModel):
         return str(self.text).strip()
 
     def segment(self) -> Segment:
+        if self.tools:
+            raise SkillFileError(f"skill {self.name!r} declares tools: bind them (ChatKVAgent.bind_tools(spec.toolset()), "
+                                 "session.generate(tools=spec.toolset()) with engine.tool_segments, `/skill` in kvagent "
+                                 "chat) instead of placing it as text")
         return Segment.skill(self.name, self.body(), id=f"skill-{self.name}", pinned=self.pinned)
 
 

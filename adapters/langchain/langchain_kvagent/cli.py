@@ -42,7 +42,8 @@ def chat(
     try:
         fields = parse_fields(field or ["customer=Alice Moreau", "order_status=processing"])
         agent = ChatKVAgent(model=model, policy=policy or POLICY, fields=fields, max_tokens=max_tokens, n_ctx=n_ctx,
-                            skill_dirs=[str(skills)] if skills else [], compile_skills=True, capture=capture)
+                            skill_dirs=[str(skills)] if skills else [], compile_skills=True, capture=capture,
+                            auto_tools="each_once")
         agent.skill_catalog()  # a bad skills folder is reported here, before the app starts
     except (KVAgentError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         console.print(f"[red]error:[/] {exc}")

@@ -5,15 +5,23 @@ token, tokens per second) and the span table (every segment of the prompt: kind,
 many of them are cached and how many an eviction cycle removed). Commands: ``/set FIELD VALUE``,
 ``/skill NAME``, ``/evict POLICY BUDGET``, ``/save PATH``, ``/load PATH``, ``/help``. Every error is shown
 in the chat pane, never as a traceback. Run it with ``kvagent chat`` (needs the ``desktop`` extra).
+
+A skill that declares tools (``kind: tool`` with ``tools:``) is bound by ``/skill NAME``: from then on the agent
+runs a local tool loop. The model calls a tool (under a grammar, so the call always parses), the app shows the
+call and its arguments, asks before running a tool declared ``confirm: true`` (answer ``y`` or ``n``), runs its
+``implementation``, shows the result, and the model goes on until it answers; a tool that raises gives its error
+back to the model as the result.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shlex
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolMessage
 from rich.markup import escape
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
@@ -21,14 +29,19 @@ from textual.widgets import DataTable, Footer, Header, Input, RichLog, Static
 
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
+from kvagent.tools import ToolCall, ToolSet, ToolSpec
+from kvagent.tools.run import run_call
 
 from langchain_kvagent.chat_models import ChatKVAgent
 from langchain_kvagent.errors import UnknownSessionError
+from langchain_kvagent.skills import find_skill
 
 SESSION = "desktop"
+MAX_STEPS = 6  # model calls in one tool loop before the app stops it
 HELP = """[b]commands[/b]
   /set FIELD VALUE       change a declared field (in the KV, by the model's edit strategy: auto by default)
-  /skill NAME            include a skill from the skills folder (transplanted when compiled)
+  /skill NAME            include a skill from the skills folder (transplanted when compiled); a skill of tools
+                         binds its tools: the agent calls them, asking first for those marked confirm
   /evict POLICY BUDGET   prune to BUDGET cells with POLICY (window, random; others need capture)
   /save PATH, /load PATH save or restore the conversation with its KV cache
   /help                  this text"""
@@ -55,6 +68,8 @@ class DesktopAgent(App[None]):
         self.history: list[BaseMessage] = []
         self.greeting = greeting
         self.busy = False
+        self.tools: list[ToolSpec] = []  # bound by /skill of a skill that declares tools
+        self._answer: asyncio.Future[str] | None = None  # a confirmation the person is asked for
 
     # -- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -96,6 +111,9 @@ class DesktopAgent(App[None]):
         event.input.value = ""
         if not text:
             return
+        if self._answer is not None and not self._answer.done():  # the reply to a confirmation
+            self._answer.set_result(text)
+            return
         if self.busy:
             self.say("[yellow]still answering: wait for the reply[/]")
             return
@@ -117,19 +135,56 @@ class DesktopAgent(App[None]):
 
     async def ask(self, text: str) -> None:
         self.say(f"[b]you: [/]{escape(text)}")
-        messages = [*self.history, HumanMessage(text)]
-        pending = self.query_one("#pending", Static)
-        reply = ""
-        async for chunk in self.model.astream(messages, session_id=self.session_id):
-            reply += chunk.text
-            pending.update(f"agent: {escape(reply)}▌")
-        self.history = [*messages, AIMessage(reply)]
-        self.say(f"[b green]agent: [/]{escape(reply.strip()) or '[dim](empty reply)[/]'}")
+        self.history = [*self.history, HumanMessage(text)]
+        toolset = ToolSet(self.tools) if self.tools else None
+        model = self.model.bind_tools([t.openai() for t in self.tools]) if toolset else self.model
+        for _ in range(MAX_STEPS):  # a tool loop: each call's result goes back to the model until it answers
+            reply = await self._reply(model)
+            self.history = [*self.history, reply]
+            if not reply.tool_calls or toolset is None:
+                self.say(f"[b green]agent: [/]{escape(str(reply.content).strip()) or '[dim](empty reply)[/]'}")
+                break
+            for call in reply.tool_calls:
+                self.history = [*self.history, ToolMessage(await self._run(call, toolset), tool_call_id=call["id"],
+                                                           name=call["name"])]
+        else:
+            self.say(f"[yellow]stopped after {MAX_STEPS} tool calls without an answer[/]")
         turn = self.model.last_turn(self.session_id)
         if turn is not None:
             self.say(f"[dim]· reused {turn.reused}, computed {turn.computed}, transplanted {turn.transplanted} of "
                      f"{turn.input_tokens} prompt tokens · TTFT {turn.ttft_s * 1000:.0f} ms · "
                      f"{turn.tokens_per_s:.1f} tok/s[/]")
+
+    async def _reply(self, model: Any) -> AIMessage:
+        """The model's next message, streamed into the pending line (a call's arguments as they come)."""
+        pending = self.query_one("#pending", Static)
+        full: AIMessageChunk | None = None
+        async for chunk in model.astream(self.history, session_id=self.session_id):
+            full = chunk if full is None else full + chunk
+            shown = full.text or " ".join(f"{c.get('name') or ''}({c.get('args') or ''})" for c in full.tool_call_chunks)
+            pending.update(f"agent: {escape(shown)}▌")
+        pending.update("")
+        if full is None:  # pragma: no cover - a finished stream always ends with its last chunk
+            raise RuntimeError("the reply stream was empty")
+        return AIMessage(content=full.content, tool_calls=full.tool_calls, usage_metadata=full.usage_metadata,
+                         response_metadata=full.response_metadata)
+
+    async def _run(self, call: dict[str, Any], toolset: ToolSet) -> str:
+        """Show the call, ask first where the tool says so, run it; its result (or why it did not run)."""
+        args = json.dumps(call["args"], ensure_ascii=False)
+        self.say(f"[magenta]tool call: {escape(call['name'])}({escape(args)})[/]")
+        spec = toolset[call["name"]]
+        if spec.confirm:
+            self._answer = asyncio.get_running_loop().create_future()
+            self.say(f"[yellow]run {escape(call['name'])}? answer y or n[/]")
+            answer = (await self._answer).strip().lower()
+            self._answer = None
+            if answer not in ("y", "yes"):
+                self.say("[yellow]not run[/]")
+                return "error: the person declined to run this tool"
+        result = await asyncio.to_thread(run_call, ToolCall(call["name"], call["args"], call["id"]), toolset)
+        self.say(f"[magenta]result: {escape(result[:500])}[/]")
+        return result
 
     async def command(self, text: str) -> None:
         name, *args = shlex.split(text)
@@ -148,7 +203,15 @@ class DesktopAgent(App[None]):
         elif name == "/skill":
             if len(args) != 1:
                 raise ValueError("usage: /skill NAME")
-            added = await self.model.ainclude_skill(args[0], session_id=self.session_id)
+            spec, _ = find_skill(self.model.skill_catalog(), args[0])
+            if spec.tools:
+                new = [t for t in spec.toolset() if t.name not in {b.name for b in self.tools}]
+                ToolSet([*self.tools, *new])  # a name that clashes with a bound tool is refused here
+                self.tools += new
+                names = ", ".join(t.name for t in new) or "none new"
+                self.say(f"[cyan]tools of {escape(args[0])} bound: {escape(names)} (compiled once, transplanted)[/]")
+                return
+            added = await self.model.ainclude_skill(spec, session_id=self.session_id)
             self.say(f"[cyan]skill {escape(args[0])} {'included' if added else 'is already in the prompt'}[/]")
         elif name == "/evict":
             if len(args) != 2 or not args[1].isdigit():
