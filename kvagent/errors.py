@@ -93,3 +93,8 @@ class ToolChoiceError(KVAgentError, ValueError):
 
 class ToolCallError(KVAgentError):
     """A tool call in a turn's text does not parse (an unconstrained turn) or names a tool that is not bound."""
+
+
+class MemoryEditError(KVAgentError, ValueError):
+    """A memory edit cannot be made: an unknown or read-only block, a value over the block's limit, a text to
+    replace that is not in the block. Nothing was changed."""
