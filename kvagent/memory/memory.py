@@ -79,6 +79,13 @@ class Memory:
             return {b.label: str(current.get(b.label, b.value)) for b in self.blocks}
         return dict(self._values)
 
+    def set(self, label: str, value: str) -> None:
+        """Hold ``value`` for tail block ``label`` (placed by the next ``segments()``; checked against its limit)."""
+        from kvagent.memory.blocks import check_limit
+
+        check_limit(find(self.blocks, label), value)
+        self._values[label] = value
+
     def edit_work(self, session: Session, label: str, op: str, **args: str) -> Work[MemoryEdit]:
         """Edit block ``label`` (``op``: replace / append / rethink, as :func:`kvagent.memory.blocks.edited`) in
         ``session``: a unit of work (run it with ``session.run``). Refused before anything changes."""

@@ -23,6 +23,7 @@ from kvagent.segments import Segment
 from kvagent.sessions import Snapshot
 from kvagent.skills.spec import SkillSpec
 
+from langchain_kvagent import memory
 from langchain_kvagent.convert import Call
 from langchain_kvagent.errors import UndeclaredFieldError
 from langchain_kvagent.registry import SessionEntry, Turn
@@ -99,6 +100,15 @@ def set_fields(entry: SessionEntry, checked: dict[str, object]) -> Operation[Edi
     report = yield entry.live.set_many_work(changed)
     entry.charge(report.computed)
     return report  # type: ignore[no-any-return]
+
+
+def edit_memory(entry: SessionEntry, label: str, op: str, args: dict[str, str]) -> Operation[str]:
+    """A memory block's edit (``langchain_kvagent.memory.edit``): a head block through :func:`set_fields`, a tail
+    block in the session's memory (its KV on the next turn). Returns the tool result text."""
+    result, change = memory.edit(entry, label, op, args)
+    if change:
+        yield from set_fields(entry, change)
+    return result
 
 
 def include(entry: SessionEntry, spec: SkillSpec, segment: Callable[[], Segment]) -> Operation[bool]:

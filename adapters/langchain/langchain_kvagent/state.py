@@ -37,7 +37,7 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
 
     def __init__(self, model: ChatKVAgent, *, messages_key: str = "messages", skills_key: str = "skills",
                  fields: Sequence[str] | None = None, output: Literal["update", "message"] = "update") -> None:
-        declared = [spec.name for spec in model.fields]
+        declared = [spec.name for spec in model.declared_fields()]  # head memory blocks too
         if fields is not None:
             unknown = [name for name in fields if name not in declared]
             if unknown:

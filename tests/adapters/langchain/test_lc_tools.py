@@ -180,3 +180,31 @@ def test_a_tool_that_raises_goes_back_to_the_model_as_its_result() -> None:
     results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
     assert results and "the order service is down" in str(results[0].content)
     assert isinstance(out["messages"][-1], AIMessage) and not out["messages"][-1].tool_calls
+
+
+@pytest.mark.parametrize("position", ["head", "tail"])
+def test_memory_tools_edit_the_session_memory_in_an_agent_loop(position: str) -> None:
+    """The model edits its memory by calling a memory tool (run by LangGraph's ToolNode); the block changes in the
+    session, a refused edit changes nothing, and the next turn's prompt holds the new value."""
+    from langgraph.prebuilt import create_react_agent
+
+    from kvagent.memory import MemoryBlock
+
+    human = MemoryBlock("human", "Name: Ada\nCity: London", "facts about the user", limit=200)
+    m = model(max_tokens=64, memory=[human], memory_position=position, auto_tools="each_once")
+    key = f"memory-{position}"
+    tools = m.memory_tools(session_id=key)
+    assert [t.name for t in tools] == ["memory_replace", "memory_append", "memory_rethink"]
+    assert "does not contain 'Berlin'" in tools[0].invoke({"label": "human", "old": "Berlin", "new": "Rome"})
+    m.invoke("Hello", session_id=key)
+    assert m.edit_memory("human", "replace", session_id=key, old="London", new="Paris").endswith("City: Paris")
+    agent = create_react_agent(m, [tools[1]])  # memory_append, called once (each_once), then the answer
+    out = agent.invoke({"messages": [("user", "Remember that I have a cat named Mia.")]},
+                       {"configurable": {"session_id": key, "thread_id": key}, "recursion_limit": 6})
+    results = [msg.content for msg in out["messages"] if isinstance(msg, ToolMessage)]
+    assert len(results) == 1 and "memory block 'human' updated" in str(results[0])
+    session = m.session(key)
+    text = "".join(s.text for s in session.segments)
+    assert "City: Paris" in text and "City: London" not in text.split("City: Paris")[-1]
+    if position == "tail":  # after the trajectory: the memory is the prompt's last segment but the reply
+        assert session.segments[-2].name == "memory:human"
