@@ -353,6 +353,11 @@ class ChatKVAgent(BaseChatModel):
         return memory.langchain_tools(self.memory, lambda name, a: self.edit_memory(
             str(a.pop("label", "")), ops_of[name], session_id=session_id, **{k: str(v) for k, v in a.items()}))
 
+    def recall_tools(self, pages: Sequence[SkillSpec], *, session_id: str | None = None) -> list[BaseTool]:
+        """``memory_recall`` / ``memory_drop`` over ``pages`` (skills of long memory) on session ``session_id``."""
+        return memory.recall_tools(pages, lambda spec: self.include_skill(spec, session_id=session_id),
+                                   lambda name: self.drop_skill(name, session_id=session_id))
+
     def skill_catalog(self) -> dict[str, tuple[SkillSpec, Path]]:
         """Skills known by name: those of ``skills`` and ``skill_dirs`` (read once)."""
         if self._catalog is None:
@@ -371,6 +376,10 @@ class ChatKVAgent(BaseChatModel):
 
     async def ainclude_skill(self, skill: str | Path | SkillSpec, *, session_id: str | None = None) -> bool:
         return await self.conversations.adrive(session_id, self._include(skill))  # type: ignore[no-any-return]
+
+    def drop_skill(self, name: str, *, session_id: str | None = None) -> bool:
+        """Take an included skill (a recalled memory page) out of a session's prompt; False if it is not there."""
+        return self.conversations.drive(session_id, lambda e: ops.drop(e, name))  # type: ignore[no-any-return]
 
     def _eviction(self, eviction: Eviction | None) -> Any:
         if eviction is not None:

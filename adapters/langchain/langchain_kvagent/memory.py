@@ -18,6 +18,7 @@ from kvagent.fields import FieldSpec
 from kvagent.memory import MemoryBlock, memory_tools
 from kvagent.memory.blocks import edited, find
 from kvagent.memory.tools import describe
+from kvagent.skills.spec import SkillSpec
 
 if TYPE_CHECKING:
     from langchain_kvagent.registry import SessionEntry
@@ -63,4 +64,28 @@ def langchain_tools(blocks: Sequence[MemoryBlock], run: Any) -> list[BaseTool]:
     return [tool(spec) for spec in memory_tools(blocks)]
 
 
-__all__ = ["declared_fields", "edit", "langchain_tools"]
+def recall_tools(pages: Sequence[SkillSpec], recall: Any, drop: Any) -> list[BaseTool]:
+    """``memory_recall(page)`` and ``memory_drop(page)`` over ``pages`` (compiled skills: long memory such as past
+    conversations and notes): the model brings a page into its prompt when it needs it (transplanted, not
+    prefilled) and takes it out again; ``recall(spec)`` / ``drop(name)`` do it on one session."""
+    by_name = {p.name: p for p in pages}
+    page = {"type": "string", "enum": list(by_name),
+            "description": "; ".join(f"{p.name}: {p.description}" if p.description else p.name for p in pages)}
+    schema = {"type": "object", "properties": {"page": page}, "required": ["page"], "additionalProperties": False}
+
+    def bring(page: str) -> str:
+        spec = by_name.get(page)
+        if spec is None:
+            return f"error: no memory page {page!r} (pages: {', '.join(by_name)})"
+        return f"memory page {page!r} " + ("is now in your context" if recall(spec) else "was already in your context")
+
+    def forget(page: str) -> str:
+        return f"memory page {page!r} " + ("taken out of your context" if drop(page) else "was not in your context")
+
+    return [StructuredTool.from_function(func=bring, name="memory_recall", args_schema=schema,
+                                         description="Bring a page of long memory into your context."),
+            StructuredTool.from_function(func=forget, name="memory_drop", args_schema=schema,
+                                         description="Take a page of long memory out of your context again.")]
+
+
+__all__ = ["declared_fields", "edit", "langchain_tools", "recall_tools"]

@@ -123,6 +123,19 @@ def include(entry: SessionEntry, spec: SkillSpec, segment: Callable[[], Segment]
     return True
 
 
+def drop(entry: SessionEntry, name: str) -> Operation[bool]:
+    """Take skill ``name`` (an included page) out of the prompt; False if it is not there. Only the prompt after
+    it is computed again."""
+    if not any(s.name == name for s in entry.skills):
+        return False
+    entry.skills = [s for s in entry.skills if s.name != name]
+    if not entry.fresh:
+        report = yield entry.live.replace_work([s for s in entry.live.segments
+                                                if not (s.kind.value == "skill" and s.name == name)])
+        entry.charge(report.computed, report.transplanted)
+    return True
+
+
 def set_eviction(entry: SessionEntry, eviction: Eviction | None, open_session: Callable[[], Any]) -> Operation[None]:
     """A new session with ``eviction`` takes over the prompt (from the old one's cached prefix); on failure the
     old one stays."""

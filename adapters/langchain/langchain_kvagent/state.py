@@ -30,8 +30,8 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
 
     ``messages_key``: the state key holding the conversation; ``skills_key``: the key holding skills to
     include (names from the chat model's ``skills``/``skill_dirs``, or YAML paths); ``fields``: the state
-    keys read as fields (default: every field the chat model declares; a name it does not declare is
-    refused here, with the fix); ``output``: ``"update"`` returns ``{messages_key: [reply]}`` (a LangGraph
+    keys read as fields (default: every field the chat model declares, its head memory blocks included; a name it
+    does not declare is refused here, with the fix); its tail memory blocks are read by label too; ``output``: ``"update"`` returns ``{messages_key: [reply]}`` (a LangGraph
     node's update), ``"message"`` the reply itself (an LCEL chain's last step).
     """
 
@@ -52,6 +52,12 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
 
     def _changes(self, state: Mapping[str, Any]) -> dict[str, object]:
         return {name: state[name] for name in self.fields if name in state and state[name] is not None}
+
+    def _tail(self, state: Mapping[str, Any]) -> dict[str, str]:
+        """Tail memory blocks the state holds (a changed one is rewritten: ``memory_rethink``)."""
+        if self.model.memory_position != "tail":
+            return {}
+        return {b.label: str(state[b.label]) for b in self.model.memory if state.get(b.label) is not None}
 
     def _messages(self, state: Mapping[str, Any]) -> Any:
         if self.messages_key not in state:
@@ -79,6 +85,8 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
         changes = self._changes(state)
         if changes:
             self.model.set_fields(changes, session_id=key)
+        for label, value in self._tail(state).items():
+            self.model.edit_memory(label, "rethink", session_id=key, new_value=value)
         for skill in self._skills(state):
             self.model.include_skill(skill, session_id=key)
         child = patch_config(config, callbacks=run_manager.get_child())
@@ -91,6 +99,8 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
         changes = self._changes(state)
         if changes:
             await self.model.aset_fields(changes, session_id=key)
+        for label, value in self._tail(state).items():
+            await self.model.aedit_memory(label, "rethink", session_id=key, new_value=value)
         for skill in self._skills(state):
             await self.model.ainclude_skill(skill, session_id=key)
         child = patch_config(config, callbacks=run_manager.get_child())

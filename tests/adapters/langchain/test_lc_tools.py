@@ -208,3 +208,21 @@ def test_memory_tools_edit_the_session_memory_in_an_agent_loop(position: str) ->
     assert "City: Paris" in text and "City: London" not in text.split("City: Paris")[-1]
     if position == "tail":  # after the trajectory: the memory is the prompt's last segment but the reply
         assert session.segments[-2].name == "memory:human"
+
+
+def test_recall_pages_come_in_transplanted_and_go_out_again() -> None:
+    from kvagent.skills.spec import SkillSpec
+
+    page = SkillSpec(name="trip-notes", version="1", kind="memory", description="notes from the user's last trip",
+                     text="Last trip: Lisbon in May. Hotel near the river. Loved the custard tarts.")
+    m = model(max_tokens=16, compile_skills=True)
+    recall, drop = m.recall_tools([page], session_id="pages")
+    m.invoke("Hello", session_id="pages")
+    assert recall.invoke({"page": "trip-notes"}) == "memory page 'trip-notes' is now in your context"
+    assert recall.invoke({"page": "nope"}).startswith("error: no memory page 'nope'")
+    m.invoke("Where did I go?", session_id="pages")
+    assert m.last_turn("pages").transplanted > 0  # type: ignore[union-attr]  # the page was copied in
+    assert any(s.name == "trip-notes" for s in m.session("pages").segments)
+    assert drop.invoke({"page": "trip-notes"}) == "memory page 'trip-notes' taken out of your context"
+    assert not any(s.name == "trip-notes" for s in m.session("pages").segments)
+    assert drop.invoke({"page": "trip-notes"}) == "memory page 'trip-notes' was not in your context"
