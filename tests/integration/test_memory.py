@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from kvagent import Engine, Segment
-from kvagent.errors import MemoryEditError
 from kvagent.memory import Memory, MemoryBlock
 from kvagent.tools import ToolCall
 from tests.conftest import cosine

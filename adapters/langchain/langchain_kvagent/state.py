@@ -22,7 +22,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import patch_config
 
 from langchain_kvagent.chat_models import ChatKVAgent
-from langchain_kvagent.errors import UndeclaredFieldError
+from langchain_kvagent.operations import undeclared
 
 
 class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
@@ -39,12 +39,7 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
                  fields: Sequence[str] | None = None, output: Literal["update", "message"] = "update") -> None:
         declared = [spec.name for spec in model.declared_fields()]  # head memory blocks too
         if fields is not None:
-            unknown = [name for name in fields if name not in declared]
-            if unknown:
-                raise UndeclaredFieldError(
-                    f"state key {unknown[0]!r} is not a field of the chat model (declared: "
-                    f"{', '.join(declared) or 'none'}): add FieldSpec(name={unknown[0]!r}, initial=...) to "
-                    "ChatKVAgent(fields=[...])")
+            undeclared(fields, declared)
         if output not in ("update", "message"):
             raise ValueError(f"output must be 'update' or 'message', got {output!r}")
         self.model, self.messages_key, self.skills_key, self.output = model, messages_key, skills_key, output

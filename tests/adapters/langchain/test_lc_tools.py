@@ -135,28 +135,28 @@ def _two_tool_run(messages: list[Any]) -> tuple[list[str], AIMessage, dict[str, 
 QUESTION = "Where is my order A-1042 and when will it arrive?"
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_create_react_agent_runs_two_tools_to_an_answer(name: str) -> None:
+def _react(m: ChatKVAgent) -> Any:
     from langgraph.prebuilt import create_react_agent
 
-    agent = create_react_agent(model(name, max_tokens=64, auto_tools="each_once"), TOOLS)
-    out = agent.invoke({"messages": [("user", QUESTION)]}, {"configurable": {"thread_id": f"react-{name}"},
+    return create_react_agent(m, TOOLS)
+
+
+def _agent(m: ChatKVAgent) -> Any:
+    from langchain.agents import create_agent
+
+    return create_agent(m, TOOLS)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("make", [_react, _agent], ids=["create_react_agent", "create_agent"])
+def test_an_agent_runs_two_tools_to_an_answer(name: str, make: Any) -> None:
+    """LangGraph's prebuilt agent and LangChain 1.x's ``create_agent`` on ChatKVAgent: each tool once, then the answer,
+    the second model call reading its prompt from the cache."""
+    agent = make(model(name, max_tokens=64, auto_tools="each_once"))
+    out = agent.invoke({"messages": [("user", QUESTION)]}, {"configurable": {"thread_id": f"{make.__name__}-{name}"},
                                                             "recursion_limit": 12})
     calls, final, usage = _two_tool_run(out["messages"])
     assert sorted(calls) == ["get_shipping_eta", "lookup_order"]  # each tool once, then the answer
-    assert not final.tool_calls and final.content
-    assert usage["input_token_details"]["cache_read"] >= 0.8 * usage["input_tokens"], usage
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_langchain_create_agent_runs_two_tools_to_an_answer(name: str) -> None:
-    from langchain.agents import create_agent
-
-    agent = create_agent(model(name, max_tokens=64, auto_tools="each_once"), TOOLS)
-    out = agent.invoke({"messages": [("user", QUESTION)]}, {"configurable": {"thread_id": f"agent-{name}"},
-                                                            "recursion_limit": 12})
-    calls, final, usage = _two_tool_run(out["messages"])
-    assert sorted(calls) == ["get_shipping_eta", "lookup_order"]
     assert not final.tool_calls and final.content
     assert usage["input_token_details"]["cache_read"] >= 0.8 * usage["input_tokens"], usage
 
