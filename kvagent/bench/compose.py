@@ -81,7 +81,7 @@ def _transplant_floor(engine: Engine, library: SkillLibrary, spec: SkillSpec) ->
     with engine.session([POLICY], share_prefix=False) as s:
         s.prefill()
         start = time.perf_counter()
-        library.transplant(s.seq, skill, len(s.tokens))
+        library.transplant(s.cache, skill, s.rendered)
         transplant = time.perf_counter() - start
     return transplant, memcpy
 
