@@ -9,13 +9,14 @@ command says what to install.
 
 from __future__ import annotations
 
+import logging
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable
+
 import typer
 from rich.markup import escape
 from rich.table import Table
-
-import logging
-from importlib.metadata import entry_points
-from typing import Any, Callable
 
 from kvagent.cli.bench import app as bench_app
 from kvagent.cli.common import configure_logging, console
@@ -39,6 +40,7 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kvagen
 def demo(
     model: str = typer.Option("smollm2-135m", help="Registry name or path of a local .gguf file."),
     max_tokens: int = typer.Option(40, help="Most tokens per reply."),
+    json_path: Path = typer.Option(None, "--json", help="Also write the per-turn rows here (JSON)."),
 ) -> None:
     """One support conversation, side by side: kvagent (compiled skill, erratum, eviction budget, a tool call) and
     llama-cpp-python's own create_chat_completion; per turn the prompt tokens computed, TTFT and the answer."""
@@ -99,6 +101,14 @@ def demo(
                   f"({theirs / max(ours, 1):.1f}x as many); summed time to first token {ttft_ours:.1f} s vs "
                   f"{ttft_theirs:.1f} s; kvagent held at most {max(r.kvagent.cells for r in rows)} KV cells "
                   f"(budget {BUDGET}).")
+    if json_path is not None:
+        from dataclasses import asdict
+
+        from kvagent.results import write_json
+
+        command = f"kvagent demo --model {model} --max-tokens {max_tokens} --json {json_path}"
+        write_json(json_path, command, [asdict(r) for r in rows], model=engine.model.name, budget=BUDGET)
+        console.print(f"rows written to {json_path}")
 
 
 @app.command()

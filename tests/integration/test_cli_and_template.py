@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -17,16 +18,19 @@ def test_help_lists_commands() -> None:
     assert "demo" in result.output and "models" in result.output
 
 
-def test_demo_compares_each_turn_with_llama_cpp_python() -> None:
+def test_demo_compares_each_turn_with_llama_cpp_python(tmp_path: Path) -> None:
     import jsonschema
 
     from kvagent.demo import LOOKUP_ORDER
 
-    result = CliRunner().invoke(app, ["demo", "--max-tokens", "8"], env={"COLUMNS": "200"})
+    out = tmp_path / "demo.json"
+    result = CliRunner().invoke(app, ["demo", "--max-tokens", "8", "--json", str(out)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     ours = [int(n) for n in re.findall(r"kvagent +computed +(\d+) tokens", result.output)]
     theirs = [int(n) for n in re.findall(r"llama-cpp-python computed +(\d+) tokens", result.output)]
     assert len(ours) == len(theirs) == 6
+    rows = json.loads(out.read_text())["rows"]  # the figures a reader quotes are the ones shown
+    assert [r["kvagent"]["computed"] for r in rows] == ours and [r["baseline"]["computed"] for r in rows] == theirs
     assert "transplanted from the compiled skill" in result.output and ours[0] < theirs[0]  # the skill was copied
     assert ours[3] < 80 < theirs[3]  # the field change: an erratum line vs a rewritten system prompt
     cells = [int(n) for n in re.findall(r"(\d+) KV cells", result.output)]
