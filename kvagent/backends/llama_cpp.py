@@ -28,6 +28,7 @@ import numpy as np
 
 from kvagent.backends.base import BackendConfig, Capabilities
 from kvagent.errors import BackendError, KVCacheFullError
+from kvagent.kv.rotate import RopeLayout
 
 if TYPE_CHECKING:
     from kvagent.native import Capture
@@ -280,6 +281,43 @@ class LlamaCppBackend:
             hidden_capture=self.capture is not None,
             swa_keeps_all=self.n_swa == 0 or (self.config.swa_full and swa_patched()),
         )
+
+    def rope_layout(self) -> RopeLayout | None:
+        """How this model's saved keys are re-rotated (``kvagent.kv.rotate``), or None where kvagent does not
+        know the architecture's RoPE (transplants then shift with ``seq_add``). Read from the GGUF metadata the
+        way llama.cpp reads it: llama (ggml NORM mode) and gemma3 (NEOX; sliding-window layers every layer but
+        each 6th, their own base, 10000 unless the file says otherwise; the full-attention layers' cache is
+        saved first)."""
+        arch = self.architecture
+
+        def number(key: str, default: float) -> float:
+            value = self.meta(f"{arch}.{key}")
+            try:
+                return float(value) if value is not None else default
+            except ValueError:
+                return default
+
+        n_head = int(number("attention.head_count", 0)) or 1
+        head_dim = int(number("attention.key_length", number("embedding_length", 0) / n_head))
+        n_rot = int(number("rope.dimension_count", head_dim))
+        base = number("rope.freq_base", 10000.0)
+        factor = number("rope.scaling.factor", 0.0)
+        scaling = self.meta(f"{arch}.rope.scaling.type") or ("linear" if factor else "none")
+        if scaling not in ("none", "linear") or head_dim <= 0 or n_rot % 2 or n_rot > head_dim:
+            return None  # YaRN and other scalings are not a plain rotation by delta
+        scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
+        n = self.n_layer
+        if arch == "llama" and self.n_swa == 0:
+            return RopeLayout("norm", head_dim, n_rot, (((base, scale),) * n,))
+        if arch == "gemma3" and self.meta(f"{arch}.attention.sliding_window_pattern") is None:
+            pattern = 6
+            swa = [i % pattern < pattern - 1 for i in range(n)] if self.n_swa > 0 else [False] * n
+            local = (number("rope.freq_base_swa", 10000.0), 1.0)
+            caches = (tuple((base, scale) for s in swa if not s),)
+            if any(swa):
+                caches += (tuple(local for s in swa if s),)
+            return RopeLayout("neox", head_dim, n_rot, caches)
+        return None
 
     @property
     def can_shift(self) -> bool:

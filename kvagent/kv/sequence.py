@@ -171,7 +171,9 @@ class CachedSequence:
 
         The first ``seam`` tokens are decoded fresh in context (seam repair); the saved sequence is restored
         into a scratch sequence (its own cells), the sink and seam cells are removed, the rest is shifted by
-        the RoPE re-rotation ``position - n_sink`` and shared into this sequence. Returns (tokens decoded
+        the RoPE re-rotation ``position - n_sink`` and shared into this sequence. The re-rotation is done on
+        the saved bytes before the restore where the pool can (``SequencePool.moved_state``): ``seq_add`` would
+        leave a K-shift that llama.cpp applies to the whole KV buffer at the next decode, once per skill. Returns (tokens decoded
         fresh, cells copied). An eviction cycle may run after it.
         """
         position, length = len(self._tokens), len(tokens)
@@ -181,10 +183,12 @@ class CachedSequence:
             self.extend_decoded(full[: position + seam])
         if seam < length:
             backend = self.backend
+            moved = self.pool.moved_state(payload, n_sink + seam, position - n_sink)
             with self.pool.scratch() as scratch:
-                backend.seq_restore(scratch, payload)
+                backend.seq_restore(scratch, payload if moved is None else moved)
                 backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's cell never travels
-                backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
+                if moved is None:
+                    backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
                 self.pool.share(scratch, self.seq, position + seam, position + length)
         if not self.backend.capabilities.swa_keeps_all and length - seam + n_sink > self.backend.n_swa:
             self._floor = max(self._floor, position + length)  # unpatched llama.cpp: the middle SWA cells did not travel
