@@ -93,3 +93,8 @@ class ToolChoiceError(KVAgentError, ValueError):
 
 class ToolCallError(KVAgentError):
     """A tool call in a turn's text does not parse (an unconstrained turn) or names a tool that is not bound."""
+
+
+class CacheFolderError(KVAgentError):
+    """A folder kvagent loads code or KV from (the cache folder, its ``native`` and ``skills`` folders) can be written
+    by other users, or belongs to another user: a file they put there would be loaded."""
