@@ -31,9 +31,9 @@ async def served(engine: Any, **config: Any) -> AsyncIterator[tuple[Any, Any]]:
     from kvagent_server import ServerConfig, create_app
 
     app = create_app(ServerConfig(model=MODEL, **config), engine=AsyncEngine(engine))
-    transport = httpx.ASGITransport(app=app)
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))  # a loopback client, as on this machine
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvagent.test", timeout=300) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000", timeout=300) as client:
             yield app, client
     finally:
         await app.state.kv.sessions.close()
