@@ -102,8 +102,11 @@ def check_json(body: bytes, max_depth: int) -> None:
                        "json_invalid") from None
     try:
         parsed = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
+    except json.JSONDecodeError:
         return  # malformed: the route's own parse answers 400 with the position
+    except (ValueError, RecursionError) as exc:  # e.g. an integer of more digits than Python converts
+        raise _Refused(422, f"the body cannot be read: {str(exc)[:200]}", "invalid_request_error",
+                       "invalid_value") from None
     try:
         json.dumps(parsed, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

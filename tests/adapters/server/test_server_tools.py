@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from server_helpers import MODEL, OCTETS, entry_of, free_port, kvagent_serve_args, metric, process, run, served
+from server_helpers import MODEL, OCTETS, entry_of, free_port, kvagent_serve_args, metric, process, run, served, tenant_of
 
 POLICY = ("You are the support agent of Northwind Outdoor, a shop for tents, sleeping bags and hiking gear. Answer "
           "customers in one or two short sentences. When a customer asks about an order, look it up with the "
@@ -239,9 +239,11 @@ def test_tool_sets_are_compiled_once_then_transplanted(core_engine: Any) -> None
                 assert r.status_code == 200, r.text
                 text = (await client.get("/metrics")).text
                 transplanted.append(metric(text, "kvagent_prompt_tokens_total", kind="transplanted"))
-            _, segments = await state.tools.get(TOOLS)
-            n_tools = sum(len(state.renderer.segment_tokens(s)) for s in segments)
-            assert (state.tools.misses, state.tools.hits) == (1, 2)
+            tenant = tenant_of(app)
+            tools = state.tools(tenant)  # the tenant's own cache of tool sets
+            _, segments = await tools.get(TOOLS)
+            n_tools = sum(len(state.renderer(tenant).segment_tokens(s)) for s in segments)
+            assert (tools.misses, tools.hits) == (1, 2)
             assert transplanted[1] - transplanted[0] >= n_tools - 4 * len(segments)  # all but each one's seam of 4
     run(main())
 
