@@ -437,9 +437,18 @@ class SessionManager:
         await session.areplace(parked.segments)
 
     def _trim_parked(self) -> None:
-        """Forget the least recently used implicit parked entries beyond ``max_parked``."""
+        """Forget implicit parked entries beyond ``max_parked``: those of the namespace holding the most first, least
+        recently used first within it."""
         excess = self.parked_count - self.max_parked
-        parked = sorted((e for e in self.keyed if e.parked is not None and not e.explicit), key=lambda e: e.last_used)
+        if excess <= 0:
+            return
+        implicit = [e for e in self.keyed if e.parked is not None and not e.explicit]
+        held: dict[str, int] = {}
+        for e in implicit:
+            held[e.namespace] = held.get(e.namespace, 0) + 1
+        # the tenant (and kind) holding the most parked chat sessions gives way first: one tenant's many keys do
+        # not push out another's few
+        parked = sorted(implicit, key=lambda e: (-held[e.namespace], e.last_used))
         for entry in parked:
             if excess <= 0:
                 break
