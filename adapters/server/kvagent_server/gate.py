@@ -37,6 +37,7 @@ from kvagent_server.metrics import Metrics
 from kvagent_server.tenants import Tenant, Tenants
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_SUSPECT = re.compile(rb"NaN|Infinity|\\u[dD][89a-fA-F]")  # what only a parse can tell apart
 _OPEN, _CLOSE = np.zeros(256, np.int32), np.zeros(256, np.int32)
 _OPEN[[ord("["), ord("{")]] = 1
 _CLOSE[[ord("]"), ord("}")]] = 1
@@ -90,16 +91,23 @@ def _surrogate_at(value: Any, where: str = "") -> str | None:
 
 def check_json(body: bytes, max_depth: int) -> None:
     """Refuse (:class:`_Refused`, 422) a JSON body nested deeper than ``max_depth``, holding ``NaN`` / ``Infinity``,
-    invalid UTF-8 or a lone surrogate; malformed JSON passes (the route answers it with a 400 naming where)."""
-    depth = json_depth(body)
-    if depth > max_depth:
-        raise _Refused(422, f"the body nests arrays and objects {depth} deep; at most {max_depth} are accepted",
-                       "invalid_request_error", "json_too_deep")
+    invalid UTF-8 or a lone surrogate; malformed JSON passes (the route answers it with a 400 naming where).
+
+    Cheap for ordinary bodies: the nesting is measured only where the body holds more brackets than ``max_depth``,
+    and the body is parsed here only where it may hold a constant (``NaN``, ``Infinity``) or a surrogate escape
+    (a lone surrogate cannot be written in UTF-8 itself, only as ``\\udXXX``)."""
+    if body.count(b"[") + body.count(b"{") > max_depth:
+        depth = json_depth(body)
+        if depth > max_depth:
+            raise _Refused(422, f"the body nests arrays and objects {depth} deep; at most {max_depth} are accepted",
+                           "invalid_request_error", "json_too_deep")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _Refused(400, f"the body is not UTF-8 (byte {exc.start}): send JSON in UTF-8", "invalid_request_error",
                        "json_invalid") from None
+    if not _SUSPECT.search(body):
+        return
     try:
         parsed = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError:

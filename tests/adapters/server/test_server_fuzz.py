@@ -122,11 +122,12 @@ def test_fuzz_a_few_hundred_requests_from_the_openapi_schema(fuzz_server: tuple[
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3000)
 def test_fuzz_5000_requests_with_bounded_memory(fuzz_server: tuple[str, int, Path]) -> None:
     base, pid, log = fuzz_server
     fuzz(base, budget=400, seconds=120)  # warm-up: sessions made up to the quota, caches filled
     before = rss_mib(pid)
-    counts = fuzz(base, budget=5000, seconds=1500)
+    counts = fuzz(base, budget=5000, seconds=2400)
     after = rss_mib(pid)
     print(f"server RSS: {before:.0f} MiB after the warm-up, {after:.0f} MiB after the run")
     assert sum(n for code, n in counts.items() if code.isdigit()) >= 5000, counts

