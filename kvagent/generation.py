@@ -111,9 +111,9 @@ class Decoder:
     the whole prompt first (in the same pass: TTFT covers it), for clients that resend the history.
     ``constraint`` (``kvagent.tools.grammar.Constraint``) masks every token to a grammar (tool calls, a JSON
     reply): the turn ends where the grammar does; ``tools``: the bound tools, whose calls the text is read for.
-    A structured reply (a constraint without tools) that ``max_tokens`` cuts is closed in the fewest tokens the
-    grammar allows (up to :data:`CLOSE_BUDGET` more; ``finish_reason`` stays ``length``), so it always parses; a
-    cut tool call is no call.
+    A structured reply or a tool call that ``max_tokens`` cuts is closed in the fewest tokens the grammar allows
+    (strings closed, objects finished; up to :data:`CLOSE_BUDGET` more tokens), so it always parses and matches its
+    schema; ``finish_reason`` stays ``length``, saying its content was cut.
     """
 
     def __init__(
@@ -129,7 +129,7 @@ class Decoder:
         self.base = list(base) if base is not None else None
         self.on_piece = on_piece
         self.constraint, self.tools = constraint, tools
-        self.close_cut = constraint is not None and tools is None  # a structured reply, not tool calls
+        self.close_cut = constraint is not None  # a structured reply or a call cut by max_tokens is closed
         self._closing = False
         self.calls: tuple[ToolCall, ...] = ()
         self._out = TextAssembler(list(stop))
@@ -229,10 +229,11 @@ class Decoder:
         body_ids: tuple[int, ...] | None = None
         reply = self.prefix + text
         if self.tools is not None and reply.lstrip().startswith(OPEN):  # text or JSON never starts with "<"
-            # complete calls only: a call cut by max_tokens or a stop string is no call
+            # complete calls only: a call cut by a stop string (or one the closing could not finish) is no call
+            closed = self._closing and self.constraint is not None and self.constraint.accepting
             self.calls = tuple(parse_calls(reply, self.tools,
-                                           complete=self.finish_reason != "length" and not self._out.stopped))
-            if self.calls:
+                                           complete=(self.finish_reason != "length" or closed) and not self._out.stopped))
+            if self.calls and not self._closing:  # a call closed past max_tokens keeps finish_reason length
                 self.finish_reason = "tool_calls"
         if not self._out.stopped:  # a stop string cut the text mid-token: its tokens come from the text
             body_ids = (*self._prefix_ids(), *self.ids)

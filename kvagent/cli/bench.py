@@ -231,3 +231,49 @@ def bench_concurrency(
           fmt(r["ttft_s"], ".3f"), fmt(r["max_stall_ms"], ".1f"), fmt(r["prefill_chunk"], "d"), notes(r)]
          for r in rows],
     )
+
+
+@app.command("tools")
+def bench_tools(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="6 requests, 2 and 4 tools, 1 repetition, 16 decoded tokens."),
+    tasks: str = typer.Option("validity,ttft,decode", help="Tasks to run, comma-separated; the JSON keeps the other "
+                              "tasks' rows."),
+    reps: int = typer.Option(None, help="TTFT repetitions (default 3; 1 with --quick)."),
+    requests: int = typer.Option(None, help="Requests of the held-out set to run (default all 60; 6 with --quick)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/tools.json)."),
+) -> None:
+    """Tool calling: valid calls with and without the grammar, tool selection, TTFT with 4-64 tools bound vs
+    llama-cpp-python's create_chat_completion(tools=...), per-token cost of constrained decoding."""
+    from kvagent.bench import tools
+
+    chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    if not chosen or set(chosen) - set(tools.TASKS):
+        raise typer.BadParameter(f"unknown task(s) in {tasks!r}: use {', '.join(tools.TASKS)}", param_hint="--tasks")
+    try:
+        plan = tools.Plan.for_run(quick, reps=reps, requests=requests)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    json_path = json_path or (RESULTS_DIR / "tools-quick.json" if quick else tools.DEFAULT_JSON)
+    with console.status("tools benchmark") as status:
+        rows = tools.run(model_names(model), plan, json_path, command_line(), chosen,
+                         progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    tools.plot(rows, plot_path)
+    ci = lambda r: f"{r['share']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] ({r['successes']}/{r['n']})"  # noqa: E731
+    print_table(f"tool calls ({json_path}, {plot_path})", ("model", "task", "mode", "share [95% CI]", "notes"),
+                [[r["model"], r["task"], r["mode"], ci(r),
+                  f"{r['attempted']} turns wrote {'<tool_call>'}" if "attempted" in r else ""]
+                 for r in rows if r["task"] in ("validity", "selection")])
+    print_table("time to first token with tools bound", ("model", "tools", "system", "TTFT ms", "x kvagent's",
+                                                         "prompt tokens", "computed", "transplanted", "notes"),
+                [[r["model"], str(r["tools"]), r["system"], f"{r['ttft_s'] * 1e3:.0f}", f"{r['speedup_vs']:.1f}",
+                  f"{r['prompt_tokens']:.0f}", f"{r['computed']:.0f}", f"{r['transplanted']:.0f}",
+                  f"compiled once in {r['compile_s']:.1f} s, grammar {r['grammar_s'] * 1e3:.0f} ms"
+                  if "compile_s" in r else ""] for r in rows if r["task"] == "ttft"])
+    print_table("per-token cost of constrained decoding", ("model", "mode", "ms/token", "added", "added (mask + "
+                                                            "consume)", "mask ms/token", "consume ms/token", "tokens"),
+                [[r["model"], r["mode"], f"{r['ms_per_token']:.2f}", f"{r['added_share']:+.1%}",
+                  f"{r.get('added_direct_share', 0.0):+.1%}",
+                  f"{r['mask_ms_per_token']:.3f}", f"{r['consume_ms_per_token']:.3f}", f"{r['tokens']:.0f}"]
+                 for r in rows if r["task"] == "decode"])

@@ -14,9 +14,12 @@ from __future__ import annotations
 import logging
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where the policy runs, not when kvagent is imported
+    import torch
 
 log = logging.getLogger(__name__)
 

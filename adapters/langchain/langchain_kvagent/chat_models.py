@@ -12,8 +12,6 @@ one operation (``langchain_kvagent.operations``); the sessions are the chat mode
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Mapping, Sequence
 
@@ -22,24 +20,26 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams, Langu
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
+from langchain_core.tools import BaseTool
 from pydantic import Field, InstanceOf, PrivateAttr, SecretStr, model_validator
 
-from kvagent.aio import AsyncSession
 from kvagent.edits.base import EditReport
 from kvagent.engine import Engine
 from kvagent.errors import EvictionError
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
+from kvagent.memory import MemoryBlock
 from kvagent.models import DEFAULT_MODEL
 from kvagent.policies import get_policy
 from kvagent.segments import Segment
 from kvagent.session import Session
 from kvagent.skills.spec import SkillSpec
 
+from langchain_kvagent import memory
 from langchain_kvagent import operations as ops
-from langchain_kvagent import structured
-from langchain_kvagent.convert import (DEFAULT_SESSION, Call, Chunks, chat_result, last_chunk, parse_call,
-                                      to_chat_messages, to_langchain, usage_metadata)
+from langchain_kvagent import streaming, structured
+from langchain_kvagent.convert import (DEFAULT_SESSION, Call, chat_result, parse_call, to_chat_messages,
+                                      to_langchain, usage_metadata)
 from langchain_kvagent.conversations import Conversations
 from langchain_kvagent.registry import Turn
 from langchain_kvagent.skills import find_skill, skill_files
@@ -89,6 +89,12 @@ class ChatKVAgent(BaseChatModel):
     """Declared mutable values (``kvagent.fields.FieldSpec``) rendered after the policy and skills. Change
     one with :meth:`set_fields` or through :class:`~langchain_kvagent.KVAgentStateRunnable`: an erratum line
     is appended (``edit_strategy``) and the cached prefix stays valid."""
+    memory: list[InstanceOf[MemoryBlock]] = Field(default_factory=list)
+    """Memory blocks (``kvagent.memory.MemoryBlock``) every session starts with; the model edits them with the
+    memory tools (:meth:`memory_tools`), the application with :meth:`edit_memory`."""
+    memory_position: Literal["head", "tail"] = "head"
+    """``head``: after the policy, as fields (an edit is a kvagent edit, the conversation after it stays cached);
+    ``tail``: after the trajectory, as transplanted skills (an edit recomputes only the tail on the next turn)."""
     skills: list[str] = Field(default_factory=list)
     """Skill YAML files (or folders of them) placed in every session after the policy. A skill compiled for
     the model (``kvagent skills compile``) is transplanted, not computed."""
@@ -131,13 +137,17 @@ class ChatKVAgent(BaseChatModel):
 
     @model_validator(mode="after")
     def _check(self) -> ChatKVAgent:
-        names = [spec.name for spec in self.fields]
+        names = [spec.name for spec in self.declared_fields()]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"fields declared twice: {', '.join(duplicates)}; declare each FieldSpec once")
         if self.eviction is not None:
             self._check_eviction(self.eviction)
         return self
+
+    def declared_fields(self) -> list[FieldSpec]:
+        """``fields`` and the ``head`` memory blocks, as fields."""
+        return memory.declared_fields(self.fields, self.memory, self.memory_position)
 
     def _check_eviction(self, eviction: Eviction) -> None:
         policy = get_policy(eviction.policy)  # an unknown name is refused with the valid ones
@@ -233,45 +243,18 @@ class ChatKVAgent(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
-        tools = self.conversations.tool_segments(call.tools)
-        entry, chunks = self.conversations.enter(call.key), Chunks(call.tools is not None)
-        try:
-            segments, max_tokens = entry.plan(call.messages, call.max_tokens, tools)
-            with entry.live.stream(max_tokens, segments=segments, **call.options) as stream:
-                for piece in stream:
-                    self._check_deadline(deadline)  # past the deadline: leaving the block rolls the turn back
-                    yield from chunks.feed(piece)
-            yield from chunks.finish()
-            yield last_chunk(self.model, call, stream.result, entry)
-        finally:
-            entry.lock.release()
+        yield from streaming.stream(self.conversations, self.model, parse_call(self, messages, stop, kwargs),
+                                    self.timeout)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
-        tools = await asyncio.to_thread(self.conversations.tool_segments, call.tools)
-        entry, chunks = await self.conversations.aenter(call.key), Chunks(call.tools is not None)
-        try:
-            segments, max_tokens = entry.plan(call.messages, call.max_tokens, tools)
-            async with AsyncSession(entry.live).astream(max_tokens, segments=segments, **call.options) as stream:
-                async for piece in stream:
-                    self._check_deadline(deadline)
-                    for chunk in chunks.feed(piece):
-                        yield chunk
-            for chunk in chunks.finish():
-                yield chunk
-            yield last_chunk(self.model, call, stream.result, entry)
-        finally:
-            entry.lock.release()
+        async for chunk in streaming.astream(self.conversations, self.model, parse_call(self, messages, stop, kwargs),
+                                             self.timeout):
+            yield chunk
 
     def _tools(self, call: Call) -> Callable[[], list[Segment]]:
         return lambda: self.conversations.tool_segments(call.tools)
-
-    def _check_deadline(self, deadline: float | None) -> None:
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(self.conversations.timeout_message())
 
     # -- engines and sessions (``langchain_kvagent.conversations``) ---------------------------------
     def model_post_init(self, context: Any) -> None:
@@ -313,17 +296,37 @@ class ChatKVAgent(BaseChatModel):
     def field_values(self, session_id: str | None = None) -> dict[str, object]:
         """Current value of each declared field in a session (initial values before its first call)."""
         found = self.conversations.find(session_id)
-        return found.field_values() if found is not None else {spec.name: spec.initial for spec in self.fields}
+        return found.field_values() if found is not None else {f.name: f.initial for f in self.declared_fields()}
 
     def set_fields(self, changes: Mapping[str, object], *, session_id: str | None = None) -> EditReport | None:
         """Change declared fields of a session: one ``set_many`` (``edit_strategy``, auto by default) once it
         holds a conversation; before that the values simply render into its first prompt (returns None)."""
-        checked = ops.check_fields(self.fields, changes)
+        checked = ops.check_fields(self.declared_fields(), changes)
         return self.conversations.drive(session_id, lambda e: ops.set_fields(e, checked))  # type: ignore
 
     async def aset_fields(self, changes: Mapping[str, object], *, session_id: str | None = None) -> EditReport | None:
-        checked = ops.check_fields(self.fields, changes)  # refused before the lock is awaited
+        checked = ops.check_fields(self.declared_fields(), changes)  # refused before the lock is awaited
         return await self.conversations.adrive(session_id, lambda e: ops.set_fields(e, checked))  # type: ignore
+
+    def edit_memory(self, label: str, op: str, *, session_id: str | None = None, **args: str) -> str:
+        """Edit memory block ``label`` of a session (``op``: replace / append / rethink, as the memory tools);
+        returns what the block holds now. :class:`MemoryEditError` (nothing changed) for a refused edit."""
+        return self.conversations.drive(session_id, lambda e: ops.edit_memory(e, label, op, args))  # type: ignore
+
+    async def aedit_memory(self, label: str, op: str, *, session_id: str | None = None, **args: str) -> str:
+        return await self.conversations.adrive(session_id, lambda e: ops.edit_memory(e, label, op, args))  # type: ignore
+
+    def memory_tools(self, *, session_id: str | None = None) -> list[BaseTool]:
+        """``memory_replace``, ``memory_append``, ``memory_rethink`` as LangChain tools editing session
+        ``session_id``'s memory (bind them with the agent's other tools)."""
+        ops_of = {"memory_replace": "replace", "memory_append": "append", "memory_rethink": "rethink"}
+        return memory.langchain_tools(self.memory, lambda name, a: self.edit_memory(
+            str(a.pop("label", "")), ops_of[name], session_id=session_id, **{k: str(v) for k, v in a.items()}))
+
+    def recall_tools(self, pages: Sequence[SkillSpec], *, session_id: str | None = None) -> list[BaseTool]:
+        """``memory_recall`` / ``memory_drop`` over ``pages`` (skills of long memory) on session ``session_id``."""
+        return memory.recall_tools(pages, lambda spec: self.include_skill(spec, session_id=session_id),
+                                   lambda name: self.drop_skill(name, session_id=session_id))
 
     def skill_catalog(self) -> dict[str, tuple[SkillSpec, Path]]:
         """Skills known by name: those of ``skills`` and ``skill_dirs`` (read once)."""
@@ -343,6 +346,10 @@ class ChatKVAgent(BaseChatModel):
 
     async def ainclude_skill(self, skill: str | Path | SkillSpec, *, session_id: str | None = None) -> bool:
         return await self.conversations.adrive(session_id, self._include(skill))  # type: ignore[no-any-return]
+
+    def drop_skill(self, name: str, *, session_id: str | None = None) -> bool:
+        """Take an included skill (a recalled memory page) out of a session's prompt; False if it is not there."""
+        return self.conversations.drive(session_id, lambda e: ops.drop(e, name))  # type: ignore[no-any-return]
 
     def _eviction(self, eviction: Eviction | None) -> Any:
         if eviction is not None:
@@ -372,10 +379,6 @@ class ChatKVAgent(BaseChatModel):
 
     async def aload_session(self, path: str | Path, *, session_id: str | None = None) -> None:
         await self.conversations.adrive(session_id, lambda e: ops.load(e, Path(path)))
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return time.monotonic() + timeout if timeout is not None else None
 
 
 __all__ = ["DEFAULT_SESSION", "ChatKVAgent", "to_chat_messages", "to_langchain", "usage_metadata"]

@@ -13,6 +13,7 @@ from langchain_core.messages import BaseMessage
 from kvagent.engine import Engine
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
+from kvagent.memory import Memory, MemoryBlock
 from kvagent.segments import Segment
 from kvagent.session import Session
 from kvagent.tools import ToolSet
@@ -35,6 +36,11 @@ class ChatSettings(Protocol):
     capture: str
     policy: str | None
     fields: list[FieldSpec]
+    memory: list[MemoryBlock]
+    memory_position: str
+
+    def declared_fields(self) -> list[FieldSpec]: ...
+
     skills: list[str]
     eviction: Eviction | None
     edit_strategy: str
@@ -62,9 +68,10 @@ class Conversations:
         found, m = self.slot(), self.model
         if self._finalizer is None:  # once the chat model is gone its sessions are the first to close
             self._finalizer = weakref.finalize(m, found.orphan, self.owner)
+        declared = m.declared_fields()
         return found.table.setdefault(self.owner, key, lambda: SessionEntry(
-            self.owner, key, specs=tuple(m.fields), values={spec.name: spec.initial for spec in m.fields},
-            eviction=m.eviction))
+            self.owner, key, specs=tuple(declared), values={spec.name: spec.initial for spec in declared},
+            eviction=m.eviction, memory=Memory(m.memory, m.memory_position) if m.memory else None))
 
     def tool_segments(self, tools: ToolSet | None) -> list[Segment]:
         """The segments describing ``tools`` (compiled as skills once per model; remembered per tool set)."""

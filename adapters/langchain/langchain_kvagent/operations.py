@@ -23,6 +23,7 @@ from kvagent.segments import Segment
 from kvagent.sessions import Snapshot
 from kvagent.skills.spec import SkillSpec
 
+from langchain_kvagent import memory
 from langchain_kvagent.convert import Call
 from langchain_kvagent.errors import UndeclaredFieldError
 from langchain_kvagent.registry import SessionEntry, Turn
@@ -32,15 +33,22 @@ Step = Union[Work[Any], Callable[[], Any]]
 Operation = Generator[Step, Any, T]
 
 
+def _advance(operation: Operation[T], value: Any, error: BaseException | None) -> tuple[bool, Any]:
+    """Resume ``operation`` with a step's value (or its error): (finished, the next step or the result)."""
+    try:
+        return False, operation.throw(error) if error is not None else operation.send(value)
+    except StopIteration as done:
+        return True, done.value
+
+
 def drive(entry: SessionEntry, operation: Operation[T], timeout: float | None = None) -> T:
     """Run ``operation``'s steps in this thread (session work on ``entry``'s open session, with ``timeout``)."""
     value: Any = None
     error: BaseException | None = None
     while True:
-        try:
-            step = operation.throw(error) if error is not None else operation.send(value)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+        finished, step = _advance(operation, value, error)
+        if finished:
+            return step  # type: ignore[no-any-return]
         value, error = None, None
         try:
             value = step() if callable(step) else entry.live.run(step, timeout=timeout)
@@ -53,29 +61,30 @@ async def adrive(entry: SessionEntry, operation: Operation[T], timeout: float | 
     value: Any = None
     error: BaseException | None = None
     while True:
-        try:
-            step = operation.throw(error) if error is not None else operation.send(value)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+        finished, step = _advance(operation, value, error)
+        if finished:
+            return step  # type: ignore[no-any-return]
         value, error = None, None
         try:
-            if callable(step):
-                value = await asyncio.to_thread(step)
-            else:
-                value = await AsyncSession(entry.live).run(step, timeout=timeout)
+            value = await (asyncio.to_thread(step) if callable(step) else
+                           AsyncSession(entry.live).run(step, timeout=timeout))
         except BaseException as exc:
             error = exc
+
+
+def undeclared(names: Sequence[str], declared: Sequence[str]) -> None:
+    """Refuse (:class:`UndeclaredFieldError`) the first of ``names`` the chat model does not declare, with the fix."""
+    unknown = [name for name in names if name not in declared]
+    if unknown:
+        raise UndeclaredFieldError(
+            f"field {unknown[0]!r} is not declared on this ChatKVAgent (declared: {', '.join(declared) or 'none'}): "
+            f"add FieldSpec(name={unknown[0]!r}, initial=...) to ChatKVAgent(fields=[...])")
 
 
 def check_fields(specs: Sequence[FieldSpec], changes: Mapping[str, object]) -> dict[str, object]:
     """``changes`` checked against the chat model's declared ``specs``; an undeclared name is refused with the fix."""
     declared = {spec.name: spec for spec in specs}
-    unknown = [name for name in changes if name not in declared]
-    if unknown:
-        raise UndeclaredFieldError(
-            f"field {unknown[0]!r} is not declared on this ChatKVAgent (declared: "
-            f"{', '.join(sorted(declared)) or 'none'}): add FieldSpec(name={unknown[0]!r}, initial=...) to "
-            "ChatKVAgent(fields=[...])")
+    undeclared(list(changes), sorted(declared))
     return {name: declared[name].check(value) for name, value in changes.items()}
 
 
@@ -101,6 +110,15 @@ def set_fields(entry: SessionEntry, checked: dict[str, object]) -> Operation[Edi
     return report  # type: ignore[no-any-return]
 
 
+def edit_memory(entry: SessionEntry, label: str, op: str, args: dict[str, str]) -> Operation[str]:
+    """A memory block's edit (``langchain_kvagent.memory.edit``): a head block through :func:`set_fields`, a tail
+    block in the session's memory (its KV on the next turn). Returns the tool result text."""
+    result, change = memory.edit(entry, label, op, args)
+    if change:
+        yield from set_fields(entry, change)
+    return result
+
+
 def include(entry: SessionEntry, spec: SkillSpec, segment: Callable[[], Segment]) -> Operation[bool]:
     """Place a skill in the prompt's head (fresh) or at its end (transplanted when compiled); False if there."""
     if any(s.name == spec.name for s in [*(entry.prologue or []), *entry.skills]):
@@ -110,6 +128,19 @@ def include(entry: SessionEntry, spec: SkillSpec, segment: Callable[[], Segment]
         report = yield entry.live.include_work(spec)
         entry.charge(report.computed, report.transplanted)
     entry.skills.append(resolved)
+    return True
+
+
+def drop(entry: SessionEntry, name: str) -> Operation[bool]:
+    """Take skill ``name`` (an included page) out of the prompt; False if it is not there. Only the prompt after
+    it is computed again."""
+    if not any(s.name == name for s in entry.skills):
+        return False
+    entry.skills = [s for s in entry.skills if s.name != name]
+    if not entry.fresh:
+        report = yield entry.live.replace_work([s for s in entry.live.segments
+                                                if not (s.kind.value == "skill" and s.name == name)])
+        entry.charge(report.computed, report.transplanted)
     return True
 
 

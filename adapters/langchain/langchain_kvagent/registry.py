@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvagent.eviction import Eviction
     from kvagent.fields import FieldSpec
     from kvagent.generation import Generation
+    from kvagent.memory import Memory
     from kvagent.session import Session
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class SessionEntry(TableEntry):
     skills: list[Segment] = field(default_factory=list)
     tools: list[Segment] = field(default_factory=list)
     eviction: Eviction | None = None
+    memory: Memory | None = None
+    """The session's memory blocks (``kvagent.memory``; a tail's values live here)."""
     log: MessageLog = field(default_factory=MessageLog)
     turns: list[Turn] = field(default_factory=list)
     pending_computed: int = 0
@@ -136,6 +139,8 @@ class SessionEntry(TableEntry):
             self.log.commit([])  # the static part changes: no fast path over the old prompt
         self.tools = list(tools)
         segments = self.log.plan(self.live.segments, messages, self.static())
+        if self.memory is not None and self.memory.position == "tail":  # after the trajectory, wherever it was
+            segments = [*(s for s in segments if not self.memory.is_memory(s)), *self.memory.segments()]
         return segments, self.live.fit(segments, max_tokens).max_tokens
 
     def commit(self, messages: Sequence[ChatMessage], gen: Generation) -> Turn:

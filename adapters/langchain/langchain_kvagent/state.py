@@ -22,7 +22,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import patch_config
 
 from langchain_kvagent.chat_models import ChatKVAgent
-from langchain_kvagent.errors import UndeclaredFieldError
+from langchain_kvagent.operations import undeclared
 
 
 class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
@@ -30,21 +30,16 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
 
     ``messages_key``: the state key holding the conversation; ``skills_key``: the key holding skills to
     include (names from the chat model's ``skills``/``skill_dirs``, or YAML paths); ``fields``: the state
-    keys read as fields (default: every field the chat model declares; a name it does not declare is
-    refused here, with the fix); ``output``: ``"update"`` returns ``{messages_key: [reply]}`` (a LangGraph
+    keys read as fields (default: every field the chat model declares, its head memory blocks included; a name it
+    does not declare is refused here, with the fix); its tail memory blocks are read by label too; ``output``: ``"update"`` returns ``{messages_key: [reply]}`` (a LangGraph
     node's update), ``"message"`` the reply itself (an LCEL chain's last step).
     """
 
     def __init__(self, model: ChatKVAgent, *, messages_key: str = "messages", skills_key: str = "skills",
                  fields: Sequence[str] | None = None, output: Literal["update", "message"] = "update") -> None:
-        declared = [spec.name for spec in model.fields]
+        declared = [spec.name for spec in model.declared_fields()]  # head memory blocks too
         if fields is not None:
-            unknown = [name for name in fields if name not in declared]
-            if unknown:
-                raise UndeclaredFieldError(
-                    f"state key {unknown[0]!r} is not a field of the chat model (declared: "
-                    f"{', '.join(declared) or 'none'}): add FieldSpec(name={unknown[0]!r}, initial=...) to "
-                    "ChatKVAgent(fields=[...])")
+            undeclared(fields, declared)
         if output not in ("update", "message"):
             raise ValueError(f"output must be 'update' or 'message', got {output!r}")
         self.model, self.messages_key, self.skills_key, self.output = model, messages_key, skills_key, output
@@ -52,6 +47,12 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
 
     def _changes(self, state: Mapping[str, Any]) -> dict[str, object]:
         return {name: state[name] for name in self.fields if name in state and state[name] is not None}
+
+    def _tail(self, state: Mapping[str, Any]) -> dict[str, str]:
+        """Tail memory blocks the state holds (a changed one is rewritten: ``memory_rethink``)."""
+        if self.model.memory_position != "tail":
+            return {}
+        return {b.label: str(state[b.label]) for b in self.model.memory if state.get(b.label) is not None}
 
     def _messages(self, state: Mapping[str, Any]) -> Any:
         if self.messages_key not in state:
@@ -79,6 +80,8 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
         changes = self._changes(state)
         if changes:
             self.model.set_fields(changes, session_id=key)
+        for label, value in self._tail(state).items():
+            self.model.edit_memory(label, "rethink", session_id=key, new_value=value)
         for skill in self._skills(state):
             self.model.include_skill(skill, session_id=key)
         child = patch_config(config, callbacks=run_manager.get_child())
@@ -91,6 +94,8 @@ class KVAgentStateRunnable(Runnable[Mapping[str, Any], Any]):
         changes = self._changes(state)
         if changes:
             await self.model.aset_fields(changes, session_id=key)
+        for label, value in self._tail(state).items():
+            await self.model.aedit_memory(label, "rethink", session_id=key, new_value=value)
         for skill in self._skills(state):
             await self.model.ainclude_skill(skill, session_id=key)
         child = patch_config(config, callbacks=run_manager.get_child())

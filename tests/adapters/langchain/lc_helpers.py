@@ -8,7 +8,7 @@ import numpy as np
 MODEL = "smollm2-135m"
 SETTINGS = {"model": MODEL, "n_ctx": 4096, "n_seq_max": 12}
 
-from kvagent.demo import POLICY  # noqa: E402  (the demo's support policy)
+from kvagent.demo import POLICY  # noqa: E402, F401  (the demo's support policy, re-exported to the tests)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -45,3 +45,11 @@ def test_desktop_example_screenshot(tmp_path: Path) -> None:
     path = asyncio.run(load("desktop_agent").screenshot(tmp_path / "desk.svg", max_tokens=8))
     svg = path.read_text().replace("&#160;", " ")
     assert "span table" in svg and "refund-policy" in svg and "not declared" in svg
+
+
+@pytest.mark.parametrize("position", ["head", "tail"])
+def test_memory_example(position: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = load("memory_agent").main(max_tokens=24, position=position)
+    out = capsys.readouterr().out
+    assert "the model called memory_append(" in out and "memory block 'human' updated" in out
+    assert len(rows) == 2 and all(r["cache_read"] > 0.5 * r["input_tokens"] for r in rows)  # the edits kept the cache

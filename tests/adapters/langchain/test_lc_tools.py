@@ -135,28 +135,28 @@ def _two_tool_run(messages: list[Any]) -> tuple[list[str], AIMessage, dict[str, 
 QUESTION = "Where is my order A-1042 and when will it arrive?"
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_create_react_agent_runs_two_tools_to_an_answer(name: str) -> None:
+def _react(m: ChatKVAgent) -> Any:
     from langgraph.prebuilt import create_react_agent
 
-    agent = create_react_agent(model(name, max_tokens=64, auto_tools="each_once"), TOOLS)
-    out = agent.invoke({"messages": [("user", QUESTION)]}, {"configurable": {"thread_id": f"react-{name}"},
+    return create_react_agent(m, TOOLS)
+
+
+def _agent(m: ChatKVAgent) -> Any:
+    from langchain.agents import create_agent
+
+    return create_agent(m, TOOLS)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("make", [_react, _agent], ids=["create_react_agent", "create_agent"])
+def test_an_agent_runs_two_tools_to_an_answer(name: str, make: Any) -> None:
+    """LangGraph's prebuilt agent and LangChain 1.x's ``create_agent`` on ChatKVAgent: each tool once, then the answer,
+    the second model call reading its prompt from the cache."""
+    agent = make(model(name, max_tokens=64, auto_tools="each_once"))
+    out = agent.invoke({"messages": [("user", QUESTION)]}, {"configurable": {"thread_id": f"{make.__name__}-{name}"},
                                                             "recursion_limit": 12})
     calls, final, usage = _two_tool_run(out["messages"])
     assert sorted(calls) == ["get_shipping_eta", "lookup_order"]  # each tool once, then the answer
-    assert not final.tool_calls and final.content
-    assert usage["input_token_details"]["cache_read"] >= 0.8 * usage["input_tokens"], usage
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_langchain_create_agent_runs_two_tools_to_an_answer(name: str) -> None:
-    from langchain.agents import create_agent
-
-    agent = create_agent(model(name, max_tokens=64, auto_tools="each_once"), TOOLS)
-    out = agent.invoke({"messages": [("user", QUESTION)]}, {"configurable": {"thread_id": f"agent-{name}"},
-                                                            "recursion_limit": 12})
-    calls, final, usage = _two_tool_run(out["messages"])
-    assert sorted(calls) == ["get_shipping_eta", "lookup_order"]
     assert not final.tool_calls and final.content
     assert usage["input_token_details"]["cache_read"] >= 0.8 * usage["input_tokens"], usage
 
@@ -180,3 +180,49 @@ def test_a_tool_that_raises_goes_back_to_the_model_as_its_result() -> None:
     results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
     assert results and "the order service is down" in str(results[0].content)
     assert isinstance(out["messages"][-1], AIMessage) and not out["messages"][-1].tool_calls
+
+
+@pytest.mark.parametrize("position", ["head", "tail"])
+def test_memory_tools_edit_the_session_memory_in_an_agent_loop(position: str) -> None:
+    """The model edits its memory by calling a memory tool (run by LangGraph's ToolNode); the block changes in the
+    session, a refused edit changes nothing, and the next turn's prompt holds the new value."""
+    from langgraph.prebuilt import create_react_agent
+
+    from kvagent.memory import MemoryBlock
+
+    human = MemoryBlock("human", "Name: Ada\nCity: London", "facts about the user", limit=200)
+    m = model(max_tokens=64, memory=[human], memory_position=position, auto_tools="each_once")
+    key = f"memory-{position}"
+    tools = m.memory_tools(session_id=key)
+    assert [t.name for t in tools] == ["memory_replace", "memory_append", "memory_rethink"]
+    assert "does not contain 'Berlin'" in tools[0].invoke({"label": "human", "old": "Berlin", "new": "Rome"})
+    m.invoke("Hello", session_id=key)
+    assert m.edit_memory("human", "replace", session_id=key, old="London", new="Paris").endswith("City: Paris")
+    agent = create_react_agent(m, [tools[1]])  # memory_append, called once (each_once), then the answer
+    out = agent.invoke({"messages": [("user", "Remember that I have a cat named Mia.")]},
+                       {"configurable": {"session_id": key, "thread_id": key}, "recursion_limit": 6})
+    results = [msg.content for msg in out["messages"] if isinstance(msg, ToolMessage)]
+    assert len(results) == 1 and "memory block 'human' updated" in str(results[0])
+    session = m.session(key)
+    text = "".join(s.text for s in session.segments)
+    assert "City: Paris" in text and "City: London" not in text.split("City: Paris")[-1]
+    if position == "tail":  # after the trajectory: the memory is the prompt's last segment but the reply
+        assert session.segments[-2].name == "memory:human"
+
+
+def test_recall_pages_come_in_transplanted_and_go_out_again() -> None:
+    from kvagent.skills.spec import SkillSpec
+
+    page = SkillSpec(name="trip-notes", version="1", kind="memory", description="notes from the user's last trip",
+                     text="Last trip: Lisbon in May. Hotel near the river. Loved the custard tarts.")
+    m = model(max_tokens=16, compile_skills=True)
+    recall, drop = m.recall_tools([page], session_id="pages")
+    m.invoke("Hello", session_id="pages")
+    assert recall.invoke({"page": "trip-notes"}) == "memory page 'trip-notes' is now in your context"
+    assert recall.invoke({"page": "nope"}).startswith("error: no memory page 'nope'")
+    m.invoke("Where did I go?", session_id="pages")
+    assert m.last_turn("pages").transplanted > 0  # type: ignore[union-attr]  # the page was copied in
+    assert any(s.name == "trip-notes" for s in m.session("pages").segments)
+    assert drop.invoke({"page": "trip-notes"}) == "memory page 'trip-notes' taken out of your context"
+    assert not any(s.name == "trip-notes" for s in m.session("pages").segments)
+    assert drop.invoke({"page": "trip-notes"}) == "memory page 'trip-notes' was not in your context"

@@ -282,10 +282,10 @@ def test_a_streamed_call_is_logged_with_its_ids_and_the_loop_extends_the_prompt_
     run(main())
 
 
-def test_parallel_calls_streamed_finish_with_tool_calls_only_when_every_call_is_complete(core_engine: Any) -> None:
+def test_parallel_calls_cut_by_max_tokens_are_closed_and_end_with_length(core_engine: Any) -> None:
     """With ``parallel_tool_calls`` the small models repeat their call until ``max_tokens`` cuts one (SmolLM2: its
-    second call, at 60 tokens): the stream has then sent part of it, so it ends with ``length``, not
-    ``tool_calls``."""
+    second call, at 60 tokens): the decoder closes the cut call in the fewest tokens its grammar allows, so every
+    streamed call conforms to its schema, and the stream ends with ``length`` (the content was cut)."""
     async def main() -> None:
         async with served(core_engine) as (_, client):
             body = {"model": MODEL, "messages": QUESTION, "max_tokens": 60, "tools": TOOLS, "tool_choice": "required",
@@ -301,7 +301,7 @@ def test_parallel_calls_streamed_finish_with_tool_calls_only_when_every_call_is_
                     complete.append(conforms(json.loads(call["arguments"]), SCHEMAS[call["name"]]))
                 except ValueError:
                     complete.append(False)
-            assert complete == [True, False] and finish == "length", (finish, calls)
+            assert len(complete) >= 2 and all(complete) and finish == "length", (finish, calls)
     run(main())
 
 
