@@ -29,8 +29,8 @@ from starlette.responses import JSONResponse, Response
 
 from kvagent.aio import AsyncEngine
 from kvagent.errors import (ChatTemplateError, ContextOverflowError, EvictionError, FieldValueError, KVAgentError,
-                            KVBlobError, KVCacheFullError, SegmentOrderError, SessionClosedError, SkillFileError,
-                            ToolChoiceError, ToolSpecError)
+                            KVBlobError, KVCacheFullError, MemoryEditError, SegmentOrderError, SessionClosedError,
+                            SkillFileError, ToolChoiceError, ToolSpecError)
 from kvagent.models import private_dir
 from kvagent.scheduler import EngineClosedError
 
@@ -39,13 +39,13 @@ from kvagent_server.config import ServerConfig, is_loopback
 from kvagent_server.errors import ServerError, error_body
 from kvagent_server.gate import Gate
 from kvagent_server.metrics import Metrics
-from kvagent_server.schemas import SESSION_ID, ChatRequest, FieldsSet, SessionCreate, SkillInclude
+from kvagent_server.schemas import SESSION_ID, ChatRequest, FieldsSet, MemoryEditIn, SessionCreate, SkillInclude
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import ConfigError, Tenant, Tenants, load_secret
 
 log = logging.getLogger(__name__)
 UNPROCESSABLE = (FieldValueError, SegmentOrderError, EvictionError, SkillFileError, ChatTemplateError, KVBlobError,
-                 ToolSpecError, ToolChoiceError)
+                 ToolSpecError, ToolChoiceError, MemoryEditError)
 Kind = Literal["session", "prompt_cache_key", "user"]
 _RESTORE_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {
     "schema": {"type": "string", "format": "binary"}}}}}
@@ -165,6 +165,15 @@ def _routes(app: FastAPI) -> None:
                          kind: Kind = kind_query) -> dict[str, Any]:
         return await sessions_api.set_fields(_state(request), _tenant(request), sid, kind, body)
 
+    @app.get("/v1/sessions/{sid}/memory")
+    async def read_memory(request: Request, sid: str = session_id, kind: Kind = kind_query) -> dict[str, Any]:
+        return await sessions_api.read_memory(_state(request), _tenant(request), sid, kind)
+
+    @app.post("/v1/sessions/{sid}/memory")
+    async def edit_memory(body: MemoryEditIn, request: Request, sid: str = session_id,
+                          kind: Kind = kind_query) -> dict[str, Any]:
+        return await sessions_api.edit_memory(_state(request), _tenant(request), sid, kind, body)
+
     @app.post("/v1/sessions/{sid}/skills")
     async def include_skill(body: SkillInclude, request: Request, sid: str = session_id,
                             kind: Kind = kind_query) -> dict[str, Any]:
@@ -264,4 +273,4 @@ def _route(path: str) -> str:
 
 
 _ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/sessions", "/v1/sessions/{id}", "/metrics", "/health",
-                     *(f"/v1/sessions/{{id}}/{verb}" for verb in ("fields", "skills", "save", "restore"))})
+                     *(f"/v1/sessions/{{id}}/{verb}" for verb in ("fields", "memory", "skills", "save", "restore"))})

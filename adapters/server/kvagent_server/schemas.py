@@ -175,6 +175,30 @@ def _declarations(value: Any) -> Any:
     return value
 
 
+class MemoryBlockIn(BaseModel):
+    """A memory block (``kvagent.memory.MemoryBlock``, Letta's): ``limit`` in characters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    value: str = ""
+    description: str = Field("", max_length=1000)
+    limit: int = Field(5000, ge=1)
+    read_only: bool = False
+
+
+class MemoryEditIn(BaseModel):
+    """``POST /v1/sessions/{id}/memory``: a memory tool call as the model made it (``tool``: ``memory_replace``,
+    ``memory_append`` or ``memory_rethink``; ``arguments``: its object, ``label`` included), and the edit strategy
+    (default: the session's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tool: Literal["memory_replace", "memory_append", "memory_rethink"]
+    arguments: dict[str, str]
+    strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] | None = None
+
+
 class SessionCreate(BaseModel):
     """``POST /v1/sessions``: the prompt is policy, fields, memory, then the skills (transplanted)."""
 
@@ -185,6 +209,9 @@ class SessionCreate(BaseModel):
     fields: Annotated[list[FieldSpec], BeforeValidator(_declarations)] = Field(default_factory=list)
     """Declared fields (``kvagent.fields.FieldSpec``), or ``{name: initial}`` (the type from the value)."""
     memory: list[str] = Field(default_factory=list)
+    memory_blocks: list[MemoryBlockIn] = Field(default_factory=list)
+    """Memory blocks (``kvagent.memory``), placed after the fields as fields of their own and edited through
+    ``/v1/sessions/{id}/memory``."""
     skills: list[str] = Field(default_factory=list)
     eviction: EvictionIn | None = None
     edit_strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] = "auto"

@@ -39,6 +39,7 @@ from kvagent.aio import AsyncEngine, AsyncSession
 from kvagent.errors import KVAgentError, KVCacheFullError
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
+from kvagent.memory import MemoryBlock
 from kvagent.generation import ReplyTokens
 from kvagent.messages import MessageLog
 from kvagent.segments import Segment, SegmentKind
@@ -76,6 +77,8 @@ class SessionOptions:
     edit_strategy: str = "auto"
     compact_after: int | None = None
     """Errata kept before they are folded back into their fields (``Session.compact``)."""
+    memory: tuple[MemoryBlock, ...] = ()
+    """Memory blocks (``kvagent.memory``): each is also one of ``fields``, under its label."""
 
 
 @dataclass(frozen=True)

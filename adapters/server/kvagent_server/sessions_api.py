@@ -1,5 +1,6 @@
-"""``/v1/sessions``: create (policy, fields, memory, skills, eviction), read, set fields, include a skill,
-save / restore, delete; each on the calling tenant's sessions only (another tenant's id is a 404).
+"""``/v1/sessions``: create (policy, fields, memory, memory blocks, skills, eviction), read, set fields, read and
+edit memory blocks, include a skill, save / restore, delete; each on the calling tenant's sessions only (another
+tenant's id is a 404).
 
 A route addresses the sessions of one *kind* (``?kind=``): ``session`` (default: made by ``POST /v1/sessions`` or a
 restore), ``prompt_cache_key`` or ``user`` (made by chat requests keyed that way).
@@ -21,20 +22,25 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from kvagent.errors import ContextOverflowError, KVAgentError, KVBlobError
+from kvagent.errors import ContextOverflowError, KVAgentError, KVBlobError, MemoryEditError
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
+from kvagent.memory import MemoryBlock
+from kvagent.memory.blocks import edited, find
+from kvagent.memory.tools import OPS, describe, memory_tools
 from kvagent.segments import Segment, SegmentKind, segment_from_dict, segment_to_dict
 from kvagent.sessions import Snapshot, SnapshotSignatureError, sign, unsign
 from kvagent.sessions.snapshot import signed_payload
 
 from kvagent_server.errors import InvalidRequest, NotFound, TooLarge
-from kvagent_server.schemas import FieldsSet, SessionCreate
+from kvagent_server.schemas import FieldsSet, MemoryEditIn, SessionCreate
 from kvagent_server.sessions import SESSION, Entry, SessionOptions, field_values
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import Tenant
 
 MAX_SKILLS = 64
+MEMORY_ARGUMENTS = {"memory_replace": ("old", "new"), "memory_append": ("text",), "memory_rethink": ("new_value",)}
+"""What each memory tool takes besides ``label`` (``kvagent.memory.memory_tools``' schemas)."""
 
 
 # -- checks shared by create, fields and restore ----------------------------------------------------
@@ -84,13 +90,34 @@ async def tokens_of(state: ServerState, tenant: Tenant, segments: Sequence[Segme
 
 
 # -- create ---------------------------------------------------------------------------------------
-def options_of(state: ServerState, body: SessionCreate, specs: list[FieldSpec]) -> SessionOptions:
+def options_of(state: ServerState, body: SessionCreate, specs: list[FieldSpec],
+               blocks: Sequence[MemoryBlock] = ()) -> SessionOptions:
     eviction = Eviction(body.eviction.policy, body.eviction.budget, body.eviction.chunk) if body.eviction else None
-    return SessionOptions(tuple(specs), eviction, body.edit_strategy, state.config.max_errata)
+    return SessionOptions(tuple(specs), eviction, body.edit_strategy, state.config.max_errata, tuple(blocks))
+
+
+def memory_blocks(specs: Sequence[FieldSpec], blocks: Sequence[Any], where: str = "memory_blocks") -> list[MemoryBlock]:
+    """The memory blocks declared (``MemoryBlockIn`` or their dicts), checked: valid, labels unique and not the name
+    of a declared field (in ``specs``); 422 naming the block."""
+    out: list[MemoryBlock] = []
+    names = {s.name for s in specs}
+    for i, b in enumerate(blocks):
+        data = b if isinstance(b, dict) else b.model_dump()
+        try:
+            block = MemoryBlock(**data)
+        except (MemoryEditError, TypeError) as exc:
+            raise InvalidRequest(f"{where}.{i}: {exc}", param=f"{where}.{i}") from None
+        if block.label in names:
+            raise InvalidRequest(f"{where}.{i}.label: {block.label!r} is already the name of a field or block: "
+                                 "give each one its own name", param=f"{where}.{i}.label")
+        names.add(block.label)
+        out.append(block)
+    return out
 
 
 async def create(state: ServerState, tenant: Tenant, body: SessionCreate, key: str) -> dict[str, Any]:
-    specs = list(body.fields)
+    blocks = memory_blocks(body.fields, body.memory_blocks)
+    specs = list(body.fields) + [b.field() for b in blocks]
     check_specs(state, specs)
     if len(body.skills) > MAX_SKILLS or len(body.memory) > state.config.max_messages:
         raise InvalidRequest(f"at most {MAX_SKILLS} skills and {state.config.max_messages} memory texts",
@@ -107,7 +134,7 @@ async def create(state: ServerState, tenant: Tenant, body: SessionCreate, key: s
         + [Segment.memory(text) for text in body.memory]
     if not static and not body.skills:
         raise InvalidRequest("a session needs a policy, a field, a memory text or a skill", param="policy")
-    options = options_of(state, body, specs)
+    options = options_of(state, body, specs, blocks)
     n = await tokens_of(state, tenant, static) if static else 0  # SegmentOrderError -> 422
     if n >= state.sessions.n_ctx and options.eviction is None:
         raise ContextOverflowError(f"the session's prompt is {n} tokens, the context {state.sessions.n_ctx}: "
@@ -185,24 +212,82 @@ async def set_fields(state: ServerState, tenant: Tenant, key: str, kind: str, bo
         raise InvalidRequest(f"values: at most {state.config.max_fields} fields at once", param="values")
     for name, value in body.values.items():
         check_value(state, f"values.{name}", value)
-    renderer = state.renderer(tenant)
     async with state.sessions.use(tenant, key, kind, implicit=False) as entry:
-        session = entry.asession
-        strategy = body.strategy or entry.options.edit_strategy
-        if strategy == "erratum":
-            growth = await asyncio.to_thread(lambda: sum(len(renderer.segment_tokens(Segment.erratum(n, v)))
-                                                         for n, v in body.values.items()))
-        else:  # the rest of the prompt is recomputed: its cells are freed as they are rebuilt
-            growth = 8 * len(body.values)
-        before = sum(s.kind is SegmentKind.ERRATUM for s in session.segments)
-        report = await state.sessions.with_room(entry, growth,
-                                                lambda: session.aset_many(body.values, strategy=body.strategy))
-        after = sum(s.kind is SegmentKind.ERRATUM for s in session.segments)
-        state.metrics.errata.inc(max(0, after - before))
-        return {"strategy": report.strategy, "requested": report.requested, "reason": report.reason,
-                "fields": list(report.fields), "reused": report.reused,
-                "computed": report.computed, "stale": report.stale, "seconds": report.seconds,
-                "field_values": field_values(session.segments)}
+        return await _set_values(state, tenant, entry, body.values, body.strategy)
+
+
+async def _set_values(state: ServerState, tenant: Tenant, entry: Entry, values: dict[str, Any],
+                      strategy: str | None) -> dict[str, Any]:
+    """Set ``values`` (checked) in ``entry``'s session, which the caller holds; the edit report."""
+    renderer = state.renderer(tenant)
+    session = entry.asession
+    if (strategy or entry.options.edit_strategy) == "erratum":
+        growth = await asyncio.to_thread(lambda: sum(len(renderer.segment_tokens(Segment.erratum(n, v)))
+                                                     for n, v in values.items()))
+    else:  # the rest of the prompt is recomputed: its cells are freed as they are rebuilt
+        growth = 8 * len(values)
+    before = sum(s.kind is SegmentKind.ERRATUM for s in session.segments)
+    report = await state.sessions.with_room(entry, growth, lambda: session.aset_many(values, strategy=strategy))
+    after = sum(s.kind is SegmentKind.ERRATUM for s in session.segments)
+    state.metrics.errata.inc(max(0, after - before))
+    return {"strategy": report.strategy, "requested": report.requested, "reason": report.reason,
+            "fields": list(report.fields), "reused": report.reused,
+            "computed": report.computed, "stale": report.stale, "seconds": report.seconds,
+            "field_values": field_values(session.segments)}
+
+
+# -- memory blocks --------------------------------------------------------------------------------
+def memory_view(entry: Entry, values: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"label": b.label, "value": str(values.get(b.label, b.value)), "description": b.description,
+             "limit": b.limit, "read_only": b.read_only} for b in entry.options.memory]
+
+
+async def read_memory(state: ServerState, tenant: Tenant, key: str, kind: str) -> dict[str, Any]:
+    """A session's memory blocks with their current values, and the memory tools over them (OpenAI function
+    tools, to send with a chat request; none when every block is read-only or there is no block)."""
+    entry = state.sessions.get(tenant, key, kind)
+    await entry.lock.aacquire()  # as read: a session being created is seen once whole, a parked one stays parked
+    try:
+        if entry.deleted:
+            raise NotFound(f"session {key!r} was deleted", param="session", code="session_not_found")
+        blocks = memory_view(entry, field_values(entry.segments))
+        return {"object": "list", "data": blocks, "tools": [t.openai() for t in memory_tools(entry.options.memory)]}
+    finally:
+        entry.lock.release()
+
+
+async def edit_memory(state: ServerState, tenant: Tenant, key: str, kind: str, body: MemoryEditIn) -> dict[str, Any]:
+    """Apply a memory tool call to a session's blocks as an edit of their fields: the tool's result text (what the
+    model reads), the block's value and the edit report (null when the value did not change). A refused edit
+    (unknown or read-only block, text to replace not there, over the block's limit) is a 422 naming why, and
+    nothing changes."""
+    args = dict(body.arguments)
+    label = args.pop("label", "")
+    async with state.sessions.use(tenant, key, kind, implicit=False) as entry:
+        blocks = entry.options.memory
+        if not blocks:
+            raise InvalidRequest(f"session {key!r} has no memory blocks: declare them with memory_blocks when "
+                                 "creating it", param="arguments.label", code="memory_edit_refused")
+        if not label:
+            raise InvalidRequest(f"{body.tool} needs the label of the block to edit (arguments.label: one of "
+                                 f"{', '.join(b.label for b in blocks)})", param="arguments.label",
+                                 code="memory_edit_refused")
+        expected = MEMORY_ARGUMENTS[body.tool]
+        odd = sorted(set(args) - set(expected)) or sorted(set(expected) - set(args))
+        if odd:
+            raise InvalidRequest(f"{body.tool} takes label, {', '.join(expected)}; {odd[0]!r} is "
+                                 f"{'not one of them' if odd[0] in args else 'missing'} (nothing was changed)",
+                                 param=f"arguments.{odd[0]}", code="memory_edit_refused")
+        try:
+            block = find(blocks, label)
+            before = str(field_values(entry.asession.segments).get(label, block.value))
+            after = edited(block, before, OPS[body.tool], **args)
+        except MemoryEditError as exc:
+            raise InvalidRequest(f"{exc} (nothing was changed)", param="arguments",
+                                 code="memory_edit_refused") from None
+        check_value(state, "arguments", after)
+        report = None if after == before else await _set_values(state, tenant, entry, {label: after}, body.strategy)
+        return {"label": label, "result": describe(label, before, after), "value": after, "report": report}
 
 
 async def include(state: ServerState, tenant: Tenant, key: str, kind: str, name: str) -> dict[str, Any]:
@@ -237,6 +322,7 @@ async def save(state: ServerState, tenant: Tenant, key: str, kind: str) -> bytes
             "eviction": None if opts.eviction is None else {
                 "policy": str(opts.eviction.policy), "budget": opts.eviction.budget, "chunk": opts.eviction.chunk},
             "edit_strategy": opts.edit_strategy,
+            "memory_blocks": [dataclasses.asdict(b) for b in opts.memory],
             "static": [segment_to_dict(s) for s in entry.static],
             "tools": [segment_to_dict(s) for s in entry.tools],
         }
@@ -274,8 +360,11 @@ def snapshot_options(snapshot: Snapshot, *, trusted: bool, compact_after: int | 
             raise ValueError("fields is not a list")
         specs = [FieldSpec.model_validate(f) for f in fields]
         ev = meta.get("eviction")
+        blocks = [MemoryBlock(**b) for b in _list(meta.get("memory_blocks", []))]
+        if not {b.label for b in blocks} <= {s.name for s in specs}:
+            raise ValueError("a memory block is not among the fields")
         options = SessionOptions(tuple(specs), Eviction(ev["policy"], int(ev["budget"]), int(ev["chunk"])) if ev else None,
-                                 str(meta.get("edit_strategy", "auto")), compact_after)
+                                 str(meta.get("edit_strategy", "auto")), compact_after, tuple(blocks))
         if options.edit_strategy not in SessionCreate.model_fields["edit_strategy"].annotation.__args__:  # type: ignore[union-attr]
             raise ValueError(f"unknown edit strategy {options.edit_strategy!r}")
         static = [_segment(d, trusted) for d in _list(meta.get("static", []))]
@@ -341,5 +430,5 @@ async def restore(state: ServerState, tenant: Tenant, key: str, data: bytes) -> 
         return {**view(state, entry), "verified": trusted}
 
 
-__all__ = ["SESSION", "create", "include", "listing", "open_snapshot", "parse_snapshot", "read", "restore", "save",
-           "set_fields", "snapshot_tools", "view"]
+__all__ = ["SESSION", "create", "edit_memory", "include", "listing", "open_snapshot", "parse_snapshot", "read",
+           "read_memory", "restore", "save", "set_fields", "snapshot_tools", "view"]

@@ -64,6 +64,8 @@ def test_two_tenants_never_reach_each_others_sessions(core_engine: Any, tmp_path
                 ("GET", "/v1/sessions/u1?kind=user", None),
                 ("POST", "/v1/sessions/s1/fields", {"values": {"access_code": "x"}}),
                 ("POST", "/v1/sessions/s1/skills", {"name": "anything"}),
+                ("GET", "/v1/sessions/s1/memory", None),
+                ("POST", "/v1/sessions/s1/memory", {"tool": "memory_append", "arguments": {"label": "a", "text": "x"}}),
                 ("POST", "/v1/sessions/s1/save", None), ("POST", "/v1/sessions/k1/save?kind=prompt_cache_key", None),
                 ("DELETE", "/v1/sessions/s1", None), ("DELETE", "/v1/sessions/u1?kind=user", None),
             ]
@@ -74,6 +76,7 @@ def test_two_tenants_never_reach_each_others_sessions(core_engine: Any, tmp_path
             r = await client.post("/v1/chat/completions", headers={**b, "X-KVAgent-Session": "s1"}, json=chat("Hi"))
             assert r.status_code == 404 and SECRET_FIELD not in r.text
             assert (await client.get("/v1/sessions", headers=b)).json()["data"] == []
+            assert (await client.get("/v1/sessions/s1/memory", headers=a)).status_code == 200  # the route is there
             listed = {(s["id"], s["kind"]) for s in (await client.get("/v1/sessions", headers=a)).json()["data"]}
             assert listed == {("s1", "session"), ("k1", "prompt_cache_key"), ("u1", "user")}
             # the same ids are Bob's own, not a conflict with Alice's
