@@ -10,7 +10,8 @@ sequences. Alice keeps a *victim* session (a 600-token policy with a secret in i
    turn time during the attack against before it (target: < 2x) and the parks counted meanwhile (target: 0).
 2. **The cache side channel** (Bob probes Alice's prompt): Bob sends, alternately, exactly the victim's prompt (a
    guess that is right) and a prompt of the same length that differs from its first token (a wrong guess), 12 of
-   each, each in a temporary chat session (closed after it), and reads ``cached_tokens`` and the time to the reply. Target: cached tokens
+   each in pairs (the right guess first in every other pair), each in a temporary chat session (closed after it),
+   and reads ``cached_tokens`` and the time to the reply (median and quartiles). Target: cached tokens
    0 for both, and the medians within noise of each other; for contrast, Alice doing the same on her own tenant
    (her prefix is shared: cached > 0, faster).
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -131,12 +134,18 @@ def probe(base: str, key: str, guess: bool, i: int) -> tuple[int, float, int]:
     return usage["prompt_tokens_details"]["cached_tokens"], elapsed, usage["prompt_tokens"]
 
 
+def quartiles(values: list[float]) -> list[float]:
+    """The first and third quartiles, in ms: how far the times of one guess spread (the machine's noise)."""
+    q = statistics.quantiles(values, n=4)
+    return [round(q[0] * 1000, 1), round(q[2] * 1000, 1)]
+
+
 def side_channel(base: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for who, key in (("bob (another tenant)", BOB), ("alice (the victim's own tenant)", ALICE)):
         rows: dict[bool, list[tuple[int, float, int]]] = {True: [], False: []}
         for i in range(12):
-            for guess in (True, False):
+            for guess in ((True, False) if i % 2 == 0 else (False, True)):  # neither guess always goes first
                 rows[guess].append(probe(base, key, guess, i))
         right, wrong = rows[True], rows[False]
         out[who] = {
@@ -145,6 +154,8 @@ def side_channel(base: str) -> dict[str, Any]:
             "wrong_guess_cached_tokens": sorted({c for c, _, _ in wrong}),
             "right_guess_median_ms": round(statistics.median(t for _, t, _ in right) * 1000, 1),
             "wrong_guess_median_ms": round(statistics.median(t for _, t, _ in wrong) * 1000, 1),
+            "right_guess_quartiles_ms": quartiles([t for _, t, _ in right]),
+            "wrong_guess_quartiles_ms": quartiles([t for _, t, _ in wrong]),
         }
         out[who]["time_ratio_wrong_over_right"] = round(out[who]["wrong_guess_median_ms"]
                                                         / out[who]["right_guess_median_ms"], 2)
@@ -175,6 +186,8 @@ def main(argv: list[str]) -> int:
     finally:
         stop_process(proc)
     result["command"] = " ".join(["python -m kvagent_server.bench.attacks", *argv])
+    result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end"
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
