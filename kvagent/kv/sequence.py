@@ -37,8 +37,11 @@ log = logging.getLogger(__name__)
 class CachedSequence:
     """The KV state of one sequence id of ``pool``; ``chunk`` bounds the tokens decoded between pauses."""
 
-    def __init__(self, pool: SequencePool, seq: int, *, evictor: Evictor | None = None, chunk: int = 64) -> None:
+    def __init__(self, pool: SequencePool, seq: int, *, evictor: Evictor | None = None, chunk: int = 64,
+                 scope: str = "") -> None:
         self.pool = pool
+        self.scope = scope
+        """The prefix index scope (a tenant): this sequence's prefix is found only by sessions of the same scope."""
         self.backend = pool.backend
         self.seq = seq
         self.evictor = evictor
@@ -50,6 +53,7 @@ class CachedSequence:
         self._stale: frozenset[int] = frozenset()
         self._evicted: frozenset[int] = frozenset()
         self._floor = 0
+        self._restored = False  # cells loaded from saved bytes: never published until the cache is cut to 0
 
     # -- reading ----------------------------------------------------------------------------------
     tokens = property(lambda self: self._tokens, doc="Token ids of positions 0..len-1 (evicted ones included).")
@@ -75,6 +79,18 @@ class CachedSequence:
         return min(dirty) if dirty else len(self._tokens)
 
     @property
+    def shareable(self) -> int:
+        """Length of the prefix this sequence publishes to its scope of the index: the clean prefix, or nothing
+        while it holds cells restored from saved bytes (``restore(share=False)``): bytes that came from outside
+        are never shared with another session."""
+        return 0 if self._restored else self.clean_prefix
+
+    @property
+    def restored(self) -> bool:
+        """Whether the cache holds cells restored from saved bytes without ``share`` (kept out of the index)."""
+        return self._restored
+
+    @property
     def batchable(self) -> bool:
         """Whether this sequence's decode steps may share a batch (not when eviction records hidden states)."""
         return self.evictor is None or not self.evictor.policy.needs_hidden
@@ -90,10 +106,11 @@ class CachedSequence:
             self._evicted = frozenset(p for p in self._evicted if p < position)
         if position == 0:
             self._floor = 0
+            self._restored = False
         if self.evictor is not None:
             self.evictor.forget_from(position)
         if len(self.pool.index.indexed(self.seq)) > position:
-            self.pool.index.insert(self.seq, self._tokens[: self.clean_prefix])
+            self.publish()
 
     def share_prefix(self, src: int, tokens: Sequence[int]) -> None:
         """Hold ``tokens`` by taking ``src``'s cells for positions ``len(self.tokens)..len(tokens)-1`` (shared, not
@@ -229,8 +246,9 @@ class CachedSequence:
         return report
 
     def publish(self) -> None:
-        """Index this sequence's clean prefix so other sessions can start from it."""
-        self.pool.index.insert(self.seq, self._tokens[: self.clean_prefix])
+        """Index this sequence's shareable prefix (:attr:`shareable`) in its scope, so other sessions of that
+        scope can start from it."""
+        self.pool.index.insert(self.seq, self._tokens[: self.shareable], self.scope)
 
     def resync_from_backend(self, tokens: Sequence[int]) -> None:
         """After a failed decode: record exactly the prefix of ``tokens`` the backend now holds."""
@@ -243,16 +261,20 @@ class CachedSequence:
         return self.backend.seq_save(self.seq)
 
     def restore(self, payload: bytes, tokens: tuple[int, ...], logits: np.ndarray | None,
-                evicted: frozenset[int] = frozenset()) -> None:
+                evicted: frozenset[int] = frozenset(), *, share: bool = False) -> None:
         """Replace the cache by saved bytes holding ``tokens`` less the ``evicted`` positions (checked by
-        the caller against the backend's cells)."""
+        the caller against the backend's cells). ``share``: the bytes are this process's own (a parked session
+        it saved itself), so the prefix is published as usual; otherwise it is kept out of the prefix index
+        until the cache is cut to 0."""
         self.pool.cut(self.seq, 0)
         try:
             self.backend.seq_restore(self.seq, payload)
         except Exception:  # llama.cpp empties the sequence before it refuses: record that
             self._tokens, self._logits, self._evicted, self._stale, self._floor = (), None, frozenset(), frozenset(), 0
+            self._restored = False
             self.publish()
             raise
+        self._restored = not share
         self._tokens, self._logits = tokens, logits
         self._evicted, self._stale = frozenset(evicted), frozenset()
         if self.evictor is not None:

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from kvagent.errors import KVBlobError, SkillStoreError
 from kvagent.kvblob import KVBlob
-from kvagent.models import cache_dir
+from kvagent.models import cache_dir, private_dir
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvskill"
@@ -48,10 +48,13 @@ class StoredSkill:
 
 
 class SkillStore:
-    """Compiled skills under ``root`` (default ``cache_dir()/skills``), ``lru_size`` blobs kept in memory."""
+    """Compiled skills under ``root`` (default ``cache_dir()/skills``, checked by ``models.private_dir``: a folder
+    other users can write is refused), ``lru_size`` blobs kept in memory."""
 
     def __init__(self, root: Path | None = None, lru_size: int = 16) -> None:
-        self.root = root or cache_dir() / "skills"
+        if root is None:  # the shared default: refused where another user could put KV bytes there
+            root = private_dir(private_dir(cache_dir()) / "skills", "kvagent's compiled skill folder")
+        self.root = root
         self._lru: OrderedDict[str, KVBlob] = OrderedDict()
         self._lru_size = lru_size
 
