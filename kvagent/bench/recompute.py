@@ -171,13 +171,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         if not pts:
             continue
         line, = ax.plot([100 * p[0] for p in pts], [1 - p[1] for p in pts], marker=marker, label=f"{model} {kind}")
-        ax.axhline(max(1 - pts[0][2], 1e-7), color=line.get_color(), ls=":", lw=0.8)
+        ax.axhline(max(1 - pts[0][2], 1e-6), color=line.get_color(), ls=":", lw=0.8)  # at 1e-6: below it
     ax.axhline(1e-3, color="black", ls="--", lw=0.8, label="target: cosine 0.999")
     ax.set_yscale("log")
     ax.set_xlabel("positions recomputed beyond the seam (% of the skill)")
     ax.set_ylabel("1 - logit cosine vs cold prefill (median)")
-    ax.set_title("selective recompute of transplanted skills (dotted: noise floor)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title("selective recompute of transplanted skills (dotted: noise floor, cold prefill in other batches)",
+                 fontsize=8)
+    ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 0.1))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
