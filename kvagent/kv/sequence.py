@@ -189,12 +189,14 @@ class CachedSequence:
         if n_fresh == length:
             self.extend_decoded(full)
         else:
+            if seam:  # decoded before the scratch takes its cells (the cell layout of a transplant without recompute)
+                self.extend_decoded(full[: position + seam])
             backend = self.backend
             with self.pool.scratch() as scratch:
                 backend.seq_restore(scratch, payload)
-                backend.seq_rm(scratch, 0, n_sink)  # the sink's cell never travels
-                backend.seq_add(scratch, n_sink, -1, position - n_sink)
-                i = 0
+                backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's and the seam's cells never travel
+                backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
+                i = seam
                 while i < length:
                     end = i
                     while end < length and fresh[end] == fresh[i]:
