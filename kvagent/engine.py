@@ -248,11 +248,13 @@ class Engine:
             self._skills = self.skill_library()
         return self._skills
 
-    def skill_library(self, store: SkillStore | None = None) -> SkillLibrary:
-        """A library of this model's compiled skills over ``store`` (default: ``cache_dir()/skills``)."""
+    def skill_library(self, store: SkillStore | None = None, *, recompute: float = 0.0) -> SkillLibrary:
+        """A library of this model's compiled skills over ``store`` (default: ``cache_dir()/skills``);
+        ``recompute``: the share of each transplant's positions decoded fresh, the most deviating from a cold
+        prefill first (selective recompute, ``kvagent.skills.library``; 0: none)."""
         from kvagent.skills.library import SkillLibrary
 
-        return SkillLibrary(self.pool, self.fingerprint, self.model.name, store)
+        return SkillLibrary(self.pool, self.fingerprint, self.model.name, store, recompute=recompute)
 
     def tool_segments(self, tools: ToolSet, *, chat: bool = True, library: SkillLibrary | None = None,
                       scope: str = "") -> list[Segment]:

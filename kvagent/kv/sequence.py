@@ -183,35 +183,56 @@ class CachedSequence:
         return self._decoder.decode(tokens, positions, [self.seq] * len(tokens), outputs)
 
     # -- transplants ------------------------------------------------------------------------------
-    def place_transplant(self, payload: bytes, tokens: Sequence[int], n_sink: int, seam: int, rendered: Rendered) -> tuple[int, int]:
+    def place_transplant(self, payload: bytes, tokens: Sequence[int], n_sink: int, seam: int, rendered: Rendered,
+                         recompute: Sequence[int] = ()) -> tuple[int, int]:
         """Append a compiled skill: its saved sequence ``payload`` holds ``n_sink`` sink tokens then ``tokens``.
 
-        The first ``seam`` tokens are decoded fresh in context (seam repair); the saved sequence is restored
-        into a scratch sequence (its own cells), the sink and seam cells are removed, the rest is shifted by
-        the RoPE re-rotation ``position - n_sink`` and shared into this sequence. The re-rotation is done on
-        the saved bytes before the restore where the pool can (``SequencePool.moved_state``): ``seq_add`` would
-        leave a K-shift that llama.cpp applies to the whole KV buffer at the next decode, once per skill. Returns (tokens decoded
-        fresh, cells copied). An eviction cycle may run after it.
+        The first ``seam`` tokens are decoded fresh in context (seam repair), and so are the skill's positions
+        ``recompute`` (offsets into ``tokens``: a selective recompute of the cells that deviate most from a cold
+        prefill, CacheBlend's); the saved sequence is restored into a scratch sequence (its own cells), the sink
+        cells removed, the rest shifted by the RoPE re-rotation ``position - n_sink``, and the span is built left
+        to right (llama.cpp takes a sequence's new tokens only at ``pos_max + 1``): runs of copied cells shared
+        into this sequence, fresh positions decoded in between (attending to the copied cells before them).
+        The re-rotation is done on the saved bytes before the restore where the pool can
+        (``SequencePool.moved_state``): ``seq_add`` would leave a K-shift that llama.cpp applies to the whole KV
+        buffer at the next decode, once per skill. Returns (tokens decoded fresh, cells copied). An eviction
+        cycle may run after it.
         """
         position, length = len(self._tokens), len(tokens)
         seam = min(seam, length)
         full = (*self._tokens, *tokens)
-        if seam:
-            self.extend_decoded(full[: position + seam])
-        if seam < length:
+        fresh = [False] * length
+        for i in (*range(seam), *recompute):
+            if 0 <= i < length:
+                fresh[i] = True
+        n_fresh = sum(fresh)
+        if n_fresh == length:
+            self.extend_decoded(full)
+        else:
+            if seam:  # decoded before the scratch takes its cells (the cell layout of a transplant without recompute)
+                self.extend_decoded(full[: position + seam])
             backend = self.backend
             moved = self.pool.moved_state(payload, n_sink + seam, position - n_sink)
             with self.pool.scratch() as scratch:
                 backend.seq_restore(scratch, payload if moved is None else moved)
-                backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's cell never travels
+                backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's and the seam's cells never travel
                 if moved is None:
                     backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
-                self.pool.share(scratch, self.seq, position + seam, position + length)
+                i = seam
+                while i < length:
+                    end = i
+                    while end < length and fresh[end] == fresh[i]:
+                        end += 1
+                    if fresh[i]:
+                        self.extend_decoded(full[: position + end])
+                    else:
+                        self.share_prefix(scratch, full[: position + end])
+                    i = end
         if not self.backend.capabilities.swa_keeps_all and length - seam + n_sink > self.backend.n_swa:
             self._floor = max(self._floor, position + length)  # unpatched llama.cpp: the middle SWA cells did not travel
         self._tokens, self._logits = full, None
         self.maybe_cycle(rendered)
-        return seam, length - seam
+        return n_fresh, length - n_fresh
 
     # -- settling ---------------------------------------------------------------------------------
     def commit(self, tokens: Sequence[int], logits: np.ndarray) -> None:

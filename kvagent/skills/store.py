@@ -45,6 +45,7 @@ class StoredSkill:
     bytes: int
     created: str
     seam: int = 4  # tokens recomputed in context at each transplant (older sidecars: the spec default)
+    ranked: tuple[int, ...] | list[int] = ()  # offsets by decreasing deviation from a cold prefill (selective recompute)
 
 
 class SkillStore:
@@ -95,6 +96,14 @@ class SkillStore:
             ) from exc
         self._remember(key, blob)
         return blob
+
+    def set_ranked(self, key: str, ranked: tuple[int, ...]) -> None:
+        """Record the compile-time deviation ranking of stored skill ``key`` in its sidecar (no-op when absent)."""
+        entry = self.entry(key)
+        if entry is None:
+            return
+        side = {**entry.__dict__, "ranked": list(ranked)}
+        _atomic_write(self.path(key).with_suffix(".json"), json.dumps(side, indent=1).encode())
 
     def entry(self, key: str) -> StoredSkill | None:
         """The sidecar of ``key`` when its blob is stored (None when absent or unreadable)."""
