@@ -470,32 +470,17 @@ class LlamaCppBackend:
         C.llama_memory_clear(self._mem, True)
 
     def seq_positions(self, seq: int) -> list[int]:
-        """Positions of the cells ``seq`` holds (ascending), read from the meta part of its saved state.
-
-        llama.cpp has no call listing a sequence's cells; its state starts with an 8-byte header, the
-        stream count, then per stream a cell count and per cell (pos int32, n_seq_id uint32, seq ids).
-        For sliding-window models this is the full-attention cache. Costs one state save (tests, checks).
-        """
-        import struct
+        """Positions of the cells ``seq`` holds (ascending), read from its saved state (``kvagent.kv.state``:
+        llama.cpp has no call listing a sequence's cells). For sliding-window models this is the full-attention
+        cache. Costs one state save (tests, checks)."""
+        from kvagent.kv.state import read_blocks
 
         data = self.seq_save(seq)
         try:
-            n_stream, off = struct.unpack_from("<I", data, 8)[0], 12
-            if not 0 < n_stream <= max(self.n_seq_max, 1):
-                raise ValueError(f"stream count {n_stream}")
-            for _ in range(n_stream):
-                (count,), off = struct.unpack_from("<I", data, off), off + 4
-                if count == 0:
-                    continue
-                positions = []
-                for _ in range(count):
-                    pos, n_ids = struct.unpack_from("<iI", data, off)
-                    positions.append(pos)
-                    off += 8 + 4 * n_ids
-                return sorted(positions)
-        except (struct.error, ValueError) as exc:
+            blocks, _ = read_blocks(data)
+        except ValueError as exc:
             raise BackendError(f"cannot read cell positions from this llama.cpp's state format ({exc})") from exc
-        return []
+        return sorted(blocks[0].positions) if blocks else []
 
     def seq_restore(self, seq: int, data: bytes) -> None:
         """Replace ``seq``'s KV by saved bytes, at the positions they were saved from."""

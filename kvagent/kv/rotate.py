@@ -11,12 +11,10 @@ angle ``delta * freq_scale * base^(-2i / n_rot)`` on each pair ``i`` of each hea
 (adjacent pairs in ggml's NORM mode, halves in NEOX mode), the same rotation llama.cpp's K-shift applies
 ("Models Take Notes at Prefill", arXiv:2606.17107, for why a transplant may do this at all).
 
-The bytes are llama.cpp's per-sequence state (``llama_state_seq_get_data``): an 8-byte header, then one block
-per KV cache (two for sliding-window models: the full-attention layers' cache, then the sliding-window one),
-each ``u32 n_stream``, per stream ``u32 cell_count``, per cell ``i32 pos, u32 n_seq_id, u32 seq_id[n]``, then
-``u32 v_trans, u32 n_layer``, per layer ``i32 type, u64 row_size`` and ``cell_count`` key rows, then the values.
-Keys must be f16 (kvagent's contexts store f16 KV). Anything else is refused with :class:`ValueError` and the
-caller falls back to ``seq_add``.
+The bytes are llama.cpp's per-sequence state (``llama_state_seq_get_data``), read by
+:func:`kvagent.kv.state.read_blocks` (two caches for sliding-window models: the full-attention layers', then the
+sliding-window one). Keys must be f16 (kvagent's contexts store f16 KV). Anything else is refused with
+:class:`ValueError` and the caller falls back to ``seq_add``.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GGML_TYPE_F16 = 1
+from kvagent.kv.state import read_blocks
 
 
 @dataclass(frozen=True)
@@ -79,53 +77,29 @@ def shift_saved(payload: bytes, start: int, delta: int, layout: RopeLayout) -> b
     """``payload`` with every cell at position ``>= start`` moved by ``delta``: its position rewritten and its
     keys re-rotated in every layer. Cells below ``start`` are kept as they are.
 
-    Raises :class:`ValueError` where the bytes do not have the layout described in the module docstring (another
-    llama.cpp state format, quantized keys, a cache count other than ``layout``'s).
+    Raises :class:`ValueError` where the bytes do not have the layout ``kvagent.kv.state.read_blocks`` reads
+    (another llama.cpp state format, quantized keys) or another count of caches or layers than ``layout``'s.
     """
     data = bytearray(payload)
-    off, caches = 8, 0
-    try:
-        while off < len(data):
-            if caches >= len(layout.caches):
-                raise ValueError(f"more KV cache blocks than the {len(layout.caches)} expected")
-            layers = layout.caches[caches]
-            (n_stream,), off = struct.unpack_from("<I", data, off), off + 4
-            for _ in range(n_stream):
-                (count,), off = struct.unpack_from("<I", data, off), off + 4
-                moved = np.zeros(count, dtype=bool)
-                for c in range(count):
-                    pos, n_ids = struct.unpack_from("<iI", data, off)
-                    if pos >= start:
-                        struct.pack_into("<i", data, off, pos + delta)
-                        moved[c] = True
-                    off += 8 + 4 * n_ids
-                if count == 0:
-                    continue
-                v_trans, n_layer = struct.unpack_from("<II", data, off)
-                off += 8
-                if n_layer != len(layers):
-                    raise ValueError(f"a KV cache block has {n_layer} layers, the model's layout says {len(layers)}")
-                for base, scale in layers:
-                    kind, row = struct.unpack_from("<iQ", data, off)
-                    off += 12
-                    if kind != GGML_TYPE_F16 or row % 2 or (row // 2) % layout.head_dim:
-                        raise ValueError(f"keys of type {kind} with rows of {row} bytes: only f16 keys are rotated")
-                    keys = np.frombuffer(data, np.float16, count * row // 2, off).reshape(count, row // 2)
-                    if moved.any() and delta:
-                        rotated = keys.copy()
-                        rotated[moved] = _rotate(keys[moved], delta, base, scale, layout)
-                        data[off : off + count * row] = rotated.tobytes()
-                    off += count * row
-                for _ in range(n_layer):  # values: not rotated, skipped
-                    if not v_trans:
-                        _, row = struct.unpack_from("<iQ", data, off)
-                        off += 12 + count * row
-                    else:
-                        _, size, n_embd = struct.unpack_from("<iII", data, off)
-                        off += 12 + count * n_embd * size
-            caches += 1
-    except struct.error as exc:
-        raise ValueError(f"saved sequence bytes end early ({exc})") from None
-    if off != len(data) or caches != len(layout.caches):
-        raise ValueError(f"saved sequence bytes hold {caches} KV cache blocks ending at {off} of {len(data)} bytes")
+    blocks, n_caches = read_blocks(data)
+    if n_caches != len(layout.caches):
+        raise ValueError(f"{n_caches} KV cache blocks, the model's layout says {len(layout.caches)}")
+    for block in blocks:
+        layers = layout.caches[block.cache]
+        if len(block.layers) != len(layers):
+            raise ValueError(f"a KV cache block has {len(block.layers)} layers, the model's layout says {len(layers)}")
+        moved = np.array([p >= start for p in block.positions])
+        if not moved.any() or not delta:
+            continue
+        for p, at in zip(block.positions, block.position_offsets):
+            if p >= start:
+                struct.pack_into("<i", data, at, p + delta)
+        for i, (base, scale) in enumerate(layers):
+            keys = block.keys(data, i)
+            if keys.shape[1] % layout.head_dim:
+                raise ValueError(f"key rows of {keys.shape[1]} values are not heads of {layout.head_dim}")
+            rotated = keys.copy()
+            rotated[moved] = _rotate(keys[moved], delta, base, scale, layout)
+            offset = block.layers[i].key_offset
+            data[offset : offset + rotated.nbytes] = rotated.tobytes()
     return bytes(data)

@@ -234,29 +234,8 @@ def test_keys_rotated_in_the_bytes_equal_llama_cpps_k_shift(engine: Engine) -> N
 
 
 def _keys(data: bytes, layout) -> list[np.ndarray]:
-    """Each layer's keys ``[cells, n_head_kv * head_dim]`` from a saved sequence (the layout of kvagent.kv.rotate)."""
-    import struct
+    """Each layer's keys from a saved sequence, every cache (``kvagent.kv.state.read_blocks``), as float32."""
+    from kvagent.kv.state import read_blocks
 
-    out, off = [], 8
-    while off < len(data):
-        (n_stream,), off = struct.unpack_from("<I", data, off), off + 4
-        for _ in range(n_stream):
-            (count,), off = struct.unpack_from("<I", data, off), off + 4
-            for _ in range(count):
-                off += 8 + 4 * struct.unpack_from("<iI", data, off)[1]
-            if not count:
-                continue
-            v_trans, n_layer = struct.unpack_from("<II", data, off)
-            off += 8
-            for _ in range(n_layer):
-                (row,) = struct.unpack_from("<Q", data, off + 4)
-                out.append(np.frombuffer(data, np.float16, count * row // 2, off + 12).astype(np.float32))
-                off += 12 + count * row
-            for _ in range(n_layer):
-                if v_trans:
-                    _, size, n_embd = struct.unpack_from("<iII", data, off)
-                    off += 12 + count * n_embd * size
-                else:
-                    (row,) = struct.unpack_from("<Q", data, off + 4)
-                    off += 12 + count * row
-    return out
+    blocks, _ = read_blocks(data)
+    return [b.keys(data, i).astype(np.float32) for b in blocks for i in range(len(b.layers))]

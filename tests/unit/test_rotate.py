@@ -90,9 +90,10 @@ def test_cells_from_start_move_and_their_keys_rotate(style: str, n_rot: int, bas
 
 
 BAD = [
-    ("quantized keys", lambda p: p[:36] + struct.pack("<i", 8) + p[40:], "only f16 keys"),
-    ("cut short", lambda p: p[:-10], "end"),
-    ("another layer count", lambda p: p[:32] + struct.pack("<I", 3) + p[36:], "layers"),
+    ("quantized keys", lambda p: p[:36] + struct.pack("<i", 8) + p[40:], "not f16"),
+    ("cut short", lambda p: p[:-10], "end early"),
+    ("a layer count the bytes do not hold", lambda p: p[:32] + struct.pack("<I", 1) + p[36:], "end early"),
+    ("another cache count", lambda p: p + p[8:], "KV cache blocks"),
 ]
 
 
@@ -103,3 +104,10 @@ def test_bytes_in_another_layout_are_refused(name: str, damage, match: str) -> N
     layout = RopeLayout("norm", HEAD_DIM, HEAD_DIM, (((1e4, 1.0), (1e4, 1.0)),))
     with pytest.raises(ValueError, match=match):
         shift_saved(damage(payload), 0, 5, layout)
+
+
+def test_a_model_layout_with_other_layers_is_refused() -> None:
+    k = np.ones((1, HEADS * HEAD_DIM), np.float16)
+    three = RopeLayout("norm", HEAD_DIM, HEAD_DIM, (((1e4, 1.0),) * 3,))
+    with pytest.raises(ValueError, match="2 layers, the model's layout says 3"):
+        shift_saved(state([0], [k, k], [k, k]), 0, 5, three)
