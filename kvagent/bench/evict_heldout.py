@@ -32,12 +32,13 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvagent.bench.evict_suite import normalize_answer, sentence_starts, split_paragraphs
+from kvagent.bench.evict_suite import ABBREVIATIONS, normalize_answer, sentence_starts, split_paragraphs
 from kvagent.data import load_prose
-from kvagent.segments import Segment
+from kvagent.segments import Segment, SegmentKind
 from kvagent.tools.format import ToolCall, render_calls, result_segment
 
 log = logging.getLogger(__name__)
@@ -58,25 +59,29 @@ ANSWER_HINT = "Answer in a few words."
 @dataclass(frozen=True)
 class Fact:
     """One fact stated once: ``statement`` is how the context states it (a clause, a field or a memo line,
-    depending on the family), ``question`` the user's question about it, ``answer`` the expected value."""
+    depending on the family), ``question`` the user's question about it, ``answer`` the expected value, ``lead``
+    the words the assistant's reply starts with, right before the value ("The code for your bike lock is")."""
 
     kind: str
     statement: str
     question: str
     answer: str
+    lead: str = ""
 
 
 @dataclass(frozen=True)
 class Question:
     """A question about one planted fact: ``text`` the user turn, ``answer`` the expected value, ``band``
     where the fact was planted (a key of :data:`BANDS`), ``depth`` where its message starts (fraction of the
-    context's estimated tokens), ``kind`` the fact's template."""
+    context's estimated tokens), ``kind`` the fact's template, ``lead`` the start of the assistant's reply (the
+    benchmark writes it; the model continues with the value)."""
 
     text: str
     answer: str
     band: str
     depth: float
     kind: str
+    lead: str = ""
 
 
 @dataclass(frozen=True)
@@ -102,21 +107,41 @@ class HeldoutCase:
 
 
 def question_segment(question: Question) -> Segment:
-    """The user turn that asks ``question`` (the benchmark appends the assistant's generation prompt)."""
+    """The user turn that asks ``question`` (the benchmark appends :func:`reply_segment`)."""
     return Segment.user(f"{question.text} {ANSWER_HINT}")
+
+
+def reply_segment(question: Question) -> Segment:
+    """The assistant's unfinished reply: the generation prompt and the question's ``lead``, which the model
+    continues with the value."""
+    return Segment(SegmentKind.TURN, question.lead, role="assistant", complete=False)
 
 
 def score_reply(reply: str, answer: str, window: int = 24) -> bool:
     """Whether ``reply`` gives ``answer``: its normalized words (:func:`~kvagent.bench.evict_suite.normalize_answer`:
     case, punctuation and a leading article dropped) occur contiguously among the first ``window`` words of the
-    reply; a date (``14 June``) may also read ``June 14`` or ``the 14th of June``. ``"Your bike lock code is 4817."`` is right for ``4817``;
+    reply's first sentence (up to a ``.``, ``!`` or ``?`` that is not inside a number); a date (``14 June``) may also read ``June 14`` or ``the 14th of June``. ``"Your bike lock code is 4817."`` is right for ``4817``;
     ``"48170"`` and an empty reply are not."""
-    got = normalize_answer(reply)[:window]
+    got = normalize_answer(first_sentence(reply))[:window]
     for variant in _variants(answer):
         want = normalize_answer(variant)
         if want and any(got[i : i + len(want)] == want for i in range(len(got) - len(want) + 1)):
             return True
     return False
+
+
+def first_sentence(text: str) -> str:
+    """``text`` up to its first ``.``, ``!`` or ``?`` that is not inside a number (``1.5``) and does not end an
+    abbreviation (``Dr.``)."""
+    for m in re.finditer(r"[.!?]", text):
+        i = m.start()
+        if text[i] == "." and 0 < i < len(text) - 1 and text[i - 1].isdigit() and text[i + 1].isdigit():
+            continue
+        word = re.search(r"(\w+)$", text[:i])
+        if text[i] == "." and word and word.group(1).lower() in ABBREVIATIONS:
+            continue
+        return text[:i]
+    return text
 
 
 def _variants(answer: str) -> list[str]:
@@ -175,35 +200,45 @@ def _amount(r: random.Random) -> str:
 # kind -> rng -> Fact. Sessions: a first-person clause the user says in passing. Tools: a "key": value field of a
 # tool result (the key is descriptive). Documents: one line of a memo.
 
-def _f(kind: str, statement: str, question: str, answer: str) -> Fact:
-    return Fact(kind, statement, question, answer)
+def _f(kind: str, statement: str, question: str, answer: str, lead: str) -> Fact:
+    return Fact(kind, statement, question, answer, lead)
+
+
+def _yours(phrase: str) -> str:
+    """A phrase the user said about themselves as the assistant says it back: my -> your, I -> you, capitalised."""
+    out = " ".join({"my": "your", "I": "you"}.get(w, w) for w in phrase.split())
+    return out[0].upper() + out[1:]
 
 
 def _lock(r: random.Random) -> Fact:
     thing = r.choice(["bike lock", "garage door", "storage unit", "gym locker", "garden shed"])
     code = _code(r)
-    return _f("code", f"the code for my {thing} is {code}", f"What is the code for my {thing}?", code)
+    return _f("code", f"the code for my {thing} is {code}", f"What is the code for my {thing}?", code,
+              f"The code for your {thing} is")
 
 
 def _person(r: random.Random) -> Fact:
     role = r.choice(["dentist", "landlord", "new manager", "piano teacher", "physiotherapist", "accountant"])
     name = _name(r)
     title = "Dr. " if role in ("dentist", "physiotherapist") else ""
-    return _f("name", f"my {role} is called {title}{name}", f"What is the name of my {role}?", name)
+    return _f("name", f"my {role} is called {title}{name}", f"What is the name of my {role}?", name,
+              f"Your {role} is called")
 
 
 def _event(r: random.Random) -> Fact:
     event = r.choice(["my sister's wedding", "my driving test", "the school reunion", "my cousin's housewarming",
                       "the marathon I signed up for"])
     date = _date(r)
-    return _f("date", f"{event} is on {date}", f"On what date is {event}?", date)
+    return _f("date", f"{event} is on {date}", f"On what date is {event}?", date,
+              f"{_yours(event)} is on")
 
 
 def _deposit(r: random.Random) -> Fact:
     what = r.choice(["the deposit for the new flat", "the repair of my car", "the wedding photographer",
                      "the sofa I ordered"])
     amount = _amount(r)
-    return _f("amount", f"{what} cost {amount} euros", f"How many euros did {what} cost?", amount)
+    return _f("amount", f"{what} cost {amount} euros", f"How many euros did {what} cost?", amount,
+              f"{_yours(what)} cost")
 
 
 def _favourite(r: random.Random) -> Fact:
@@ -211,19 +246,22 @@ def _favourite(r: random.Random) -> Fact:
     value = r.choice(pool)
     stated = f"my favourite {what} is {value}" if what == "tea" else f"my favourite flowers are {value}"
     question = f"What is my favourite {what}?" if what == "tea" else "What are my favourite flowers?"
-    return _f("preference", stated, question, value)
+    lead = "Your favourite tea is" if what == "tea" else "Your favourite flowers are"
+    return _f("preference", stated, question, value, lead)
 
 
 def _pet(r: random.Random) -> Fact:
     animal = r.choice(["puppy", "kitten", "rabbit", "tortoise"])
     name = r.choice(PETS)
-    return _f("pet", f"we named our new {animal} {name}", f"What did we name our new {animal}?", name)
+    return _f("pet", f"we named our new {animal} {name}", f"What did we name our new {animal}?", name,
+              f"You named your new {animal}")
 
 
 def _hometown(r: random.Random) -> Fact:
     who = r.choice(["my grandmother", "my best friend", "my brother", "my old flatmate"])
     town = r.choice(TOWNS)
-    return _f("place", f"{who} lives in {town}", f"In which town does {who} live?", town)
+    return _f("place", f"{who} lives in {town}", f"In which town does {who} live?", town,
+              f"{_yours(who)} lives in")
 
 
 SESSION_FACTS: dict[str, Callable[[random.Random], Fact]] = {
@@ -232,45 +270,58 @@ SESSION_FACTS: dict[str, Callable[[random.Random], Fact]] = {
 }
 
 
-def _tool_field(kind: str, key: str, value: str, question: str) -> Fact:
-    return _f(kind, json.dumps({key: value})[1:-1], question, value)
+def _tool_field(kind: str, key: str, value: str, question: str, lead: str) -> Fact:
+    return _f(kind, json.dumps({key: value})[1:-1], question, value, lead)
 
 
 TOOL_FACTS: dict[str, Callable[[random.Random], Fact]] = {
-    "code": lambda r: _tool_field("code", "support_pin", _code(r), "What is the support PIN on my account?"),
+    "code": lambda r: _tool_field("code", "support_pin", _code(r), "What is the support PIN on my account?",
+                                  "The support PIN on your account is"),
     "name": lambda r: _tool_field("name", "assigned_engineer", _name(r),
-                                  "What is the name of the engineer assigned to my ticket?"),
+                                  "What is the name of the engineer assigned to my ticket?",
+                                  "The engineer assigned to your ticket is"),
     "date": lambda r: _tool_field("date", "replacement_delivery_date", _date(r),
-                                  "On what date will the replacement be delivered?"),
-    "amount": lambda r: _tool_field("amount", "refund_amount_eur", _amount(r), "How many euros is my refund?"),
+                                  "On what date will the replacement be delivered?",
+                                  "The replacement will be delivered on"),
+    "amount": lambda r: _tool_field("amount", "refund_amount_eur", _amount(r), "How many euros is my refund?",
+                                    "Your refund is"),
     "password": lambda r: _tool_field("password", "wifi_passphrase", r.choice(WORDS),
-                                      "What is the wifi passphrase in the office config?"),
+                                      "What is the wifi passphrase in the office config?",
+                                      "The wifi passphrase in the office config is"),
     "port": lambda r: _tool_field("port", "staging_port", str(r.randint(3000, 9899)),
-                                  "Which port does the staging server use?"),
+                                  "Which port does the staging server use?", "The staging server uses port"),
     "place": lambda r: _tool_field("place", "warehouse_town", r.choice(TOWNS),
-                                   "In which town is the warehouse that holds my order?"),
+                                   "In which town is the warehouse that holds my order?",
+                                   "The warehouse that holds your order is in"),
 }
 
 
-def _memo(kind: str, line: str, question: str, answer: str) -> Fact:
-    return _f(kind, line, question, answer)
+def _memo(kind: str, line: str, question: str, answer: str, lead: str) -> Fact:
+    return _f(kind, line, question, answer, lead)
 
 
 DOCUMENT_FACTS: dict[str, Callable[[random.Random], Fact]] = {
     "place": lambda r: (lambda t: _memo("place", f"The team offsite will be held in {t}.",
-                                        "Where will the team offsite be held?", t))(r.choice(TOWNS)),
+                                        "Where will the team offsite be held?", t,
+                                        "The team offsite will be held in"))(r.choice(TOWNS)),
     "date": lambda r: (lambda d: _memo("date", f"The budget review was moved to {d}.",
-                                       "To what date was the budget review moved?", d))(_date(r)),
+                                       "To what date was the budget review moved?", d,
+                                       "The budget review was moved to"))(_date(r)),
     "name": lambda r: (lambda n: _memo("name", f"{n} will chair the hiring panel.",
-                                       "Who will chair the hiring panel?", n))(_name(r)),
+                                       "Who will chair the hiring panel?", n,
+                                       "The hiring panel will be chaired by"))(_name(r)),
     "amount": lambda r: (lambda a: _memo("amount", f"Approved travel budget: {a} euros.",
-                                         "How many euros is the approved travel budget?", a))(_amount(r)),
+                                         "How many euros is the approved travel budget?", a,
+                                         "The approved travel budget is"))(_amount(r)),
     "room": lambda r: (lambda x: _memo("room", f"The weekly sync now takes place in the {x} room.",
-                                       "In which room does the weekly sync take place?", x))(r.choice(ROOMS)),
+                                       "In which room does the weekly sync take place?", x,
+                                       "The weekly sync takes place in the"))(r.choice(ROOMS)),
     "code": lambda r: (lambda c: _memo("code", f"The door code for the archive is {c}.",
-                                       "What is the door code for the archive?", c))(_code(r)),
+                                       "What is the door code for the archive?", c,
+                                       "The door code for the archive is"))(_code(r)),
     "password": lambda r: (lambda w: _memo("password", f"The guest wifi password is {w}.",
-                                           "What is the guest wifi password?", w))(r.choice(WORDS)),
+                                           "What is the guest wifi password?", w,
+                                           "The guest wifi password is"))(r.choice(WORDS)),
 }
 
 FAMILY_FACTS = {"sessions": SESSION_FACTS, "tools": TOOL_FACTS, "documents": DOCUMENT_FACTS}
@@ -782,7 +833,7 @@ def build_case(split: str, index: int, count_tokens: Callable[[str], int], targe
             depth_of.update((j, starts[i]) for j in taken[i])
         else:
             segments += block.segments
-    questions = tuple(Question(drawn[j].question, drawn[j].answer, band, depth_of[j], drawn[j].kind)
+    questions = tuple(Question(drawn[j].question, drawn[j].answer, band, depth_of[j], drawn[j].kind, drawn[j].lead)
                       for j, band in enumerate(bands))
     order = sorted(range(facts), key=lambda j: (depth_of[j], j))
     name = f"{split}-{index:03d}"
@@ -815,5 +866,5 @@ def make_dialogues(split: str, n: int, count_tokens: Callable[[str], int], token
 
 __all__ = [
     "BANDS", "FAMILIES", "FACTS_PER_CASE", "HeldoutCase", "LENGTHS", "Question", "SPLITS", "build_case",
-    "make_cases", "make_dialogues", "question_segment", "score_reply",
+    "make_cases", "make_dialogues", "question_segment", "reply_segment", "score_reply",
 ]

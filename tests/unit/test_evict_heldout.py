@@ -9,7 +9,7 @@ import re
 import pytest
 
 from kvagent.bench.evict_heldout import (
-    BANDS, FAMILIES, FACTS_PER_CASE, LENGTHS, SPLITS, build_case, make_cases, make_dialogues, question_segment,
+    BANDS, FAMILIES, FACTS_PER_CASE, LENGTHS, SPLITS, build_case, make_cases, make_dialogues, question_segment, reply_segment,
     score_reply,
 )
 from kvagent.segments import SegmentKind
@@ -58,6 +58,13 @@ def test_every_fact_is_stated_once_and_asked_facts_sit_in_their_band(split: str)
             assert q.answer not in q.text and q.answer not in question_segment(q).text
 
 
+def test_every_question_has_a_lead_that_does_not_give_the_answer() -> None:
+    for c in CASES["test"]:
+        for q in c.questions:
+            assert q.lead and q.answer not in q.lead and q.lead[0].isupper()
+            assert reply_segment(q).role == "assistant" and not reply_segment(q).complete
+
+
 def test_dialogues_are_long_and_ask_about_the_early_sessions() -> None:
     dialogues = make_dialogues("test", 2, words)
     assert dialogues == make_dialogues("test", 2, words)
@@ -89,6 +96,10 @@ def test_bad_arguments_name_the_choices(bad: dict, match: str) -> None:
     ("the 14th of June", "14 June", True),
     ("On 15 June.", "14 June", False),
     ("You said lapsang souchong!", "lapsang souchong", True),
+    ("16 September.私は", "16 September", True),  # the first sentence only: what follows it is not read
+    ("It was 1,250.00 euros", "1250", False),
+    ("It was 1,250 euros.", "1250", True),
+    ("Not sure. It is 4817.", "4817", False),
     ("", "4817", False),
     ("anything", "", False),
     (" ".join(["word"] * 30) + " 4817", "4817", False),  # past the first 24 words
