@@ -201,7 +201,7 @@ class Engine:
         from kvagent.eviction import Evictor
         from kvagent.session import Session
 
-        evictor = Evictor(eviction, self.backend, self.model.path) if eviction is not None else None
+        evictor = Evictor(eviction, self.backend, self.model.path, self.pool.scratch) if eviction is not None else None
         renderer = self.renderer(chat)
         seq = self.pool.take("a session")
         try:

@@ -70,4 +70,23 @@ def bootstrap_perplexity_interval(nll: Sequence[np.ndarray], block: int = 64, re
     return float(low), float(high)
 
 
-__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "machine", "median", "wilson_interval", "write_json"]
+def cluster_bootstrap_interval(groups: Sequence[Sequence[bool]], reps: int = 2000, seed: int = 0,
+                               confidence: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval ``(low, high)`` for the share of successes when they come in correlated
+    ``groups`` (the questions of one context): contexts are resampled with replacement, each bringing all its
+    answers. Seeded; ``(nan, nan)`` without answers."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    _z(confidence)
+    hits = np.array([sum(bool(x) for x in g) for g in groups], dtype=np.float64)
+    sizes = np.array([len(g) for g in groups], dtype=np.float64)
+    if not sizes.sum():
+        return float("nan"), float("nan")
+    pick = np.random.default_rng(seed).integers(0, hits.size, size=(reps, hits.size))
+    share = hits[pick].sum(axis=1) / np.maximum(sizes[pick].sum(axis=1), 1)
+    low, high = np.quantile(share, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
+__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "cluster_bootstrap_interval", "machine", "median",
+           "wilson_interval", "write_json"]

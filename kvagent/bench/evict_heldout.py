@@ -51,6 +51,7 @@ FACTS_PER_CASE = 6
 # chat wrapping of one message (open and close tags), for the length estimate only
 MESSAGE_TOKENS = 5
 ANSWER_HINT = "Answer in a few words."
+MAX_NEW = 20  # reply tokens generated per question (the scorer reads the first sentence, up to 24 words)
 
 
 # --- what a case is ----------------------------------------------------------------------------------------
@@ -865,6 +866,6 @@ def make_dialogues(split: str, n: int, count_tokens: Callable[[str], int], token
 
 
 __all__ = [
-    "BANDS", "FAMILIES", "FACTS_PER_CASE", "HeldoutCase", "LENGTHS", "Question", "SPLITS", "build_case",
+    "BANDS", "FAMILIES", "FACTS_PER_CASE", "HeldoutCase", "LENGTHS", "MAX_NEW", "Question", "SPLITS", "build_case",
     "make_cases", "make_dialogues", "question_segment", "reply_segment", "score_reply",
 ]
