@@ -337,7 +337,7 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
     recent window of 10-60% of the budget, reconstruction (token and span level, with a window), a rank mix of the
     two, and per-segment shares for tool results. ``shared`` (the ``once`` setting; call once per case): every
     surprise and every reconstruction variant shares one pass (:class:`Memo`); else each policy gets its own."""
-    from kvagent.policies import SINKS, IncrementalSurprise, KeepSinks, RankMix, Recent, Reconstruction, Shares, Spans
+    from kvagent.policies import HYBRID_SHARE, SINKS, IncrementalSurprise, KeepSinks, RankMix, Recent, Reconstruction, Shares, Spans
 
     memo_s, memo_k = Memo(IncrementalSurprise(name="surprise-token")), Memo(Reconstruction())
 
@@ -362,6 +362,8 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
                                                               SINKS)
         out[f"hybrid-kvzip@{share:g}"] = lambda s=share: KeepSinks(
             Recent(spans(kvzip(), "kvzip-span"), s, f"hybrid-kvzip@{s:g}"), SINKS)
+    # the registry's hybrid (its share chosen on the calibration split), over the shared pass
+    out["hybrid"] = lambda: KeepSinks(Recent(spans(surprise(), "surprise"), HYBRID_SHARE, "hybrid"), SINKS)
     for tool in (0.2, 0.4):
         out[f"shares-tool@{tool:g}"] = lambda t=tool: KeepSinks(
             Shares(Recent(spans(surprise(), "surprise"), 0.25), {"tool": t}, f"shares-tool@{t:g}"), SINKS)
@@ -374,7 +376,7 @@ CALIBRATION_POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise", "
 
 
 # the test split's set: the baselines, the paper's and the span-level surprise, and what the calibration chose
-TEST_POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise", "kvzip")
+TEST_POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise", "hybrid", "kvzip")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:

@@ -15,7 +15,7 @@ presses that mask instead of dropping (AdaKV). Before a press answers, each laye
 KVzip runs through its own context manager (it replays the context) and only where kvpress supports the
 architecture (not Gemma-3). Gemma-3's sliding-window layers are not compressed, as kvpress does for Gemma-3.
 
-Install with ``pip install 'kvagent[peer]'`` (kvpress and transformers; the torch CPU build first).
+Install with ``pip install 'kvagent[kvpress]'`` (kvpress and transformers; the torch CPU build first).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvagent.bench.evict_heldout import MAX_NEW, HeldoutCase, score_reply
 
 log = logging.getLogger(__name__)
 
-INSTALL = "pip install 'kvagent[peer]'  (kvpress and transformers; install torch==2.13.0 first)"
+INSTALL = "pip install 'kvagent[kvpress]'  (kvpress and transformers; install torch==2.13.0 first)"
 
 
 def _kvpress() -> Any:

@@ -167,7 +167,7 @@ def bench_evict(
                                  "candidates on --split calibration, the chosen set on test)."),
     budgets: str = typer.Option("0.25", help="Held-out budgets (shares of the context), comma-separated."),
     peer: str = typer.Option(None, help="'kvpress': also run NVIDIA kvpress's presses on the same cases "
-                             "(pip install 'kvagent[peer]')."),
+                             "(pip install 'kvagent[kvpress]')."),
     start: int = typer.Option(0, help="First held-out context (to split a run)."),
     threads: int = typer.Option(1, help="llama.cpp threads for the held-out suite (1 is fastest on a busy machine)."),
 ) -> None:
