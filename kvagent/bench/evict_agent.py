@@ -416,16 +416,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (model, task, policy, budget): accuracy over the questions with a 95% interval from a bootstrap
     over the cases (``ci_low``, ``ci_high``; a case's three questions are resampled together) and the Wilson
-    interval over questions (``wilson``), ``ratio`` to the same model and task's full cache, the mean share of the
+    interval over questions (``wilson``), ``ratio`` to the same model and task's full cache with a 95% interval from a
+    bootstrap over the cases, paired with the full cache's answers to them (``ratio_low``, ``ratio_high``), the mean share of the
     answer's tokens still cached (``answer_kept``), accuracy by band and family (``[correct, n]``), and the
     median scoring time (``score_ms``)."""
-    from kvagent.bench.common import cluster_bootstrap_interval, median, wilson_interval
+    from kvagent.bench.common import cluster_bootstrap_interval, median, paired_ratio_interval, wilson_interval
     from kvagent.bench.evict_report import row
 
     groups: dict[tuple[str, str, str, float | None], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["model"], r["task"], r["policy"], r["budget"]), []).append(r)
     full = {(m, t): sum(r["ok"] for r in rs) / len(rs) for (m, t, p, _), rs in groups.items() if p.endswith("full")}
+    full_by_case: dict[tuple[str, str], dict[str, list[bool]]] = {}
+    for (m, t, p, _), rs in groups.items():
+        if p.endswith("full"):
+            for r in rs:
+                full_by_case.setdefault((m, t), {}).setdefault(r["case"], []).append(bool(r["ok"]))
     rows = []
     for (model, task, policy, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "full", str(kv[0]))):
         correct = sum(r["ok"] for r in rs)
@@ -436,10 +442,14 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         times = [r["score_ms"] for r in rs if r.get("score_ms") is not None]
         reference = full.get((model, task))
         score = correct / len(rs)
+        ref_cases = full_by_case.get((model, task), {})
+        paired = [(by_case[c], ref_cases[c]) for c in by_case if c in ref_cases]
+        ratio_ci = paired_ratio_interval(paired) if paired and not policy.endswith("full") else (None, None)
         rows.append(row(
             model, task, policy, budget, score, len(rs), median(times) if times else None,
             cluster_bootstrap_interval(list(by_case.values())), wilson=wilson_interval(correct, len(rs)),
             cases=len(by_case), ratio=None if not reference else score / reference,
+            ratio_low=ratio_ci[0], ratio_high=ratio_ci[1],
             answer_kept=float(np.mean(kept)) if kept else None,
             by_band=_breakdown(rs, "band"), by_family=_breakdown(rs, "family"),
         ))

@@ -106,3 +106,29 @@ def test_bad_arguments_name_the_choices(bad: dict, match: str) -> None:
 ])
 def test_replies_are_scored_by_string_match(reply: str, answer: str, ok: bool) -> None:
     assert score_reply(reply, answer) is ok
+
+
+# --- the suite's summary (kvagent.bench.evict_agent.summarize) -------------------------------------------
+def _records(policy: str, budget: float | None, oks: dict[str, list[bool]]) -> list[dict]:
+    bands = ("early", "middle", "late")
+    return [{"model": "m", "task": "heldout", "policy": policy, "budget": budget, "case": case, "ok": ok,
+             "band": bands[i % 3], "family": case.split("-")[-1], "answer_kept": None if budget is None else 0.5,
+             "score_ms": None if budget is None else 10.0 + i}
+            for case, answers in oks.items() for i, ok in enumerate(answers)]
+
+
+def test_summary_rows_give_accuracy_ratio_to_the_full_cache_and_breakdowns() -> None:
+    from kvagent.bench.evict_agent import summarize
+
+    full = {"c0-tools": [True, True, True], "c1-documents": [True, False, True]}
+    half = {"c0-tools": [True, False, True], "c1-documents": [False, False, True]}
+    rows = {r["policy"]: r for r in summarize(_records("full", None, full) + _records("window", 0.25, half))}
+    assert rows["full"]["score"] == pytest.approx(5 / 6) and rows["full"]["ratio"] == pytest.approx(1.0)
+    assert rows["full"]["ratio_low"] is None
+    w = rows["window"]
+    assert w["score"] == pytest.approx(3 / 6) and w["ratio"] == pytest.approx(3 / 5)
+    assert w["ratio_low"] <= 3 / 5 <= w["ratio_high"] and w["cases"] == 2 and w["n"] == 6
+    assert w["ci_low"] <= 0.5 <= w["ci_high"]
+    assert w["by_band"] == {"early": [1, 2], "middle": [0, 2], "late": [2, 2]}
+    assert w["by_family"] == {"tools": [2, 3], "documents": [1, 3]}
+    assert w["answer_kept"] == pytest.approx(0.5) and w["cycle_ms"] == pytest.approx(11.0)
