@@ -379,6 +379,9 @@ CALIBRATION_POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise", "
 TEST_POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise", "hybrid", "kvzip")
 
 
+PALETTE = tuple(f"C{i}" for i in range(10) if i != 7)  # matplotlib's C7 is grey: the full cache's colour
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """Accuracy per policy with its 95% interval, one panel per (model, task); ``path`` (PNG)."""
     import matplotlib
@@ -396,7 +399,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
         score = np.array([r["score"] for r in sel])
         err = np.vstack([score - np.array([r["ci_low"] for r in sel]), np.array([r["ci_high"] for r in sel]) - score])
         ax.bar(x, score, 0.7, yerr=np.nan_to_num(err), capsize=2,
-               color=["grey" if r["policy"].endswith("full") else f"C{i % 10}" for i, r in enumerate(sel)])
+               color=["grey" if r["policy"].endswith("full") else PALETTE[i % len(PALETTE)] for i, r in enumerate(sel)])
         ax.set_xticks(x)
         ax.set_xticklabels([f"{r['policy']}" for r in sel], rotation=60, ha="right", fontsize=6)
         ax.set_title(f"{model}, {task}", fontsize=8)
