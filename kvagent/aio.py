@@ -189,8 +189,8 @@ class AsyncSession:
     async def asave(self) -> bytes:
         return await self.run(self.session.save_work())
 
-    async def arestore(self, blob: bytes, segments: Sequence[Segment]) -> None:
-        await self.run(self.session.restore_work(blob, segments))
+    async def arestore(self, blob: bytes, segments: Sequence[Segment], *, share: bool = False) -> None:
+        await self.run(self.session.restore_work(blob, segments, share=share))
 
     async def aclose(self) -> None:
         stream = self.session._stream[1]() if self.session._stream is not None else None

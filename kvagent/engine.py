@@ -145,7 +145,7 @@ class Engine:
         self.pool = SequencePool(self.backend)
         self.scheduler = Scheduler(self.pool)
         self._sessions: dict[int, Session] = {}
-        self._renderers: dict[bool, Renderer] = {}
+        self._renderers: dict[tuple[bool, str], Renderer] = {}
         self._skills: SkillLibrary | None = None
 
     @classmethod
@@ -176,6 +176,8 @@ class Engine:
         share_prefix: bool = True,
         fidelity: FidelityGuard | None = None,
         eviction: Eviction | None = None,
+        scope: str = "",
+        skills: SkillLibrary | None = None,
     ) -> Session:
         """Open a session on a free sequence.
 
@@ -187,27 +189,34 @@ class Engine:
         recompute and falls back below its threshold. ``eviction`` (``kvagent.eviction.Eviction``: policy,
         budget J, chunk h) prunes the cache in cycles instead of failing when the prompt outgrows it;
         such a session decodes alone when its policy reads captured hidden states.
+
+        ``scope`` (a tenant, as vLLM's ``cache_salt``): the session shares cached prefixes only with sessions of
+        the same scope, both ways, and renders with that scope's own tokenizing memo, so neither its
+        ``reused`` counts nor its timing depend on another scope's prompts. ``skills``: the library its skill
+        spans are looked up in and compiled into (default: the engine's, :attr:`skills`).
         """
         return self.scheduler.run(None, self.session_work(
             segments, chat=chat, fields=fields, edit_strategy=edit_strategy, compact_after=compact_after,
-            share_prefix=share_prefix, fidelity=fidelity, eviction=eviction))
+            share_prefix=share_prefix, fidelity=fidelity, eviction=eviction, scope=scope, skills=skills))
 
     def session_work(
         self, segments: Iterable[Segment] = (), *, chat: bool = True, fields: Sequence[FieldSpec] = (),
         edit_strategy: str | EditStrategy = "auto", compact_after: int | None = None, share_prefix: bool = True,
-        fidelity: FidelityGuard | None = None, eviction: Eviction | None = None,
+        fidelity: FidelityGuard | None = None, eviction: Eviction | None = None, scope: str = "",
+        skills: SkillLibrary | None = None,
     ) -> Work[Session]:
         """:meth:`session` as a unit of work (run on the scheduler: taking a sequence is a native call)."""
         from kvagent.eviction import Evictor
         from kvagent.session import Session
 
         evictor = Evictor(eviction, self.backend, self.model.path, self.pool.scratch) if eviction is not None else None
-        renderer = self.renderer(chat)
+        renderer = self.renderer(chat, scope)
+        library = (lambda: skills) if skills is not None else (lambda: self.skills)
         seq = self.pool.take("a session")
         try:
-            cache = CachedSequence(self.pool, seq, evictor=evictor, chunk=self.settings.prefill_chunk)
+            cache = CachedSequence(self.pool, seq, evictor=evictor, chunk=self.settings.prefill_chunk, scope=scope)
             session = Session(
-                cache, self.scheduler, renderer, list(segments), skills=lambda: self.skills,
+                cache, self.scheduler, renderer, list(segments), skills=library,
                 fingerprint=self.fingerprint, on_close=self._release, fields=fields, edit_strategy=edit_strategy,
                 compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity,
             )
@@ -224,10 +233,13 @@ class Engine:
         with self.pool.lock, self.pool.scratch() as seq:
             yield seq
 
-    def renderer(self, chat: bool) -> Renderer:
-        if chat not in self._renderers:
-            self._renderers[chat] = Renderer(self.backend, self._chat_format() if chat else ChatFormat.plain())
-        return self._renderers[chat]
+    def renderer(self, chat: bool, scope: str = "") -> Renderer:
+        """The renderer of chat (or plain) prompts for ``scope``: each scope has its own memo of tokenized
+        segments, so how fast a prompt renders says nothing about another scope's prompts."""
+        key = (chat, scope)
+        if key not in self._renderers:
+            self._renderers[key] = Renderer(self.backend, self._chat_format() if chat else ChatFormat.plain())
+        return self._renderers[key]
 
     @property
     def skills(self) -> SkillLibrary:
@@ -236,19 +248,23 @@ class Engine:
             self._skills = self.skill_library()
         return self._skills
 
-    def skill_library(self, store: SkillStore | None = None) -> SkillLibrary:
-        """A library of this model's compiled skills over ``store`` (default: ``cache_dir()/skills``)."""
+    def skill_library(self, store: SkillStore | None = None, *, recompute: float = 0.0) -> SkillLibrary:
+        """A library of this model's compiled skills over ``store`` (default: ``cache_dir()/skills``);
+        ``recompute``: the share of each transplant's positions decoded fresh, the most deviating from a cold
+        prefill first (selective recompute, ``kvagent.skills.library``; 0: none)."""
         from kvagent.skills.library import SkillLibrary
 
-        return SkillLibrary(self.pool, self.fingerprint, self.model.name, store)
+        return SkillLibrary(self.pool, self.fingerprint, self.model.name, store, recompute=recompute)
 
-    def tool_segments(self, tools: ToolSet, *, chat: bool = True) -> list[Segment]:
+    def tool_segments(self, tools: ToolSet, *, chat: bool = True, library: SkillLibrary | None = None,
+                      scope: str = "") -> list[Segment]:
         """The segments that describe ``tools`` to the model (``kvagent.tools.format``), each compiled as a skill
-        for this model once (stored: later sessions and processes transplant them instead of prefilling)."""
+        for this model once (stored: later sessions and processes transplant them instead of prefilling), into
+        ``library`` (default: the engine's) with the renderer of ``scope``."""
         from kvagent.tools.format import tool_segments
 
         segments = tool_segments(tools)
-        renderer, library = self.renderer(chat), self.skills
+        renderer, library = self.renderer(chat, scope), library or self.skills
 
         def work() -> Iterator[None]:
             for segment in segments:

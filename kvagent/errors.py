@@ -95,6 +95,11 @@ class ToolCallError(KVAgentError):
     """A tool call in a turn's text does not parse (an unconstrained turn) or names a tool that is not bound."""
 
 
+class CacheFolderError(KVAgentError):
+    """A folder kvagent loads code or KV from (the cache folder, its ``native`` and ``skills`` folders) can be written
+    by other users, or belongs to another user: a file they put there would be loaded."""
+
+
 class MemoryEditError(KVAgentError, ValueError):
     """A memory edit cannot be made: an unknown or read-only block, a value over the block's limit, a text to
     replace that is not in the block. Nothing was changed."""

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvagent.errors import FieldValueError
-from kvagent.segments import DEFAULT_FIELD_TEMPLATE, Segment, SegmentKind
+from kvagent.errors import FieldValueError, SegmentOrderError
+from kvagent.segments import DEFAULT_FIELD_TEMPLATE, Segment, SegmentKind, check_template
 
 _TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
 
@@ -30,7 +30,17 @@ class FieldSpec(BaseModel):
     initial: Any
     """Value rendered into the prompt when the session opens."""
     template: str = DEFAULT_FIELD_TEMPLATE
-    """How the field renders: ``str.format`` with ``{name}`` and ``{value}``."""
+    """How the field renders: text with ``{name}`` and ``{value}`` placeholders and nothing else (no format spec,
+    conversion or attribute access: ``segments.check_template``)."""
+
+    @field_validator("template")
+    @classmethod
+    def _template_is_plain(cls, template: str) -> str:
+        try:
+            check_template(template)
+        except SegmentOrderError as exc:
+            raise ValueError(str(exc)) from None
+        return template
 
     @model_validator(mode="after")
     def _initial_is_valid(self) -> FieldSpec:

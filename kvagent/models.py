@@ -14,11 +14,12 @@ import importlib.util
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvagent.errors import ModelNotFoundError
+from kvagent.errors import CacheFolderError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,56 @@ def cache_dir() -> Path:
     """kvagent's cache folder: ``$KVAGENT_CACHE_DIR`` or ``~/.cache/kvagent``."""
     root = os.environ.get("KVAGENT_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "kvagent"
+
+
+def private_dir(path: Path, what: str = "kvagent's cache folder") -> Path:
+    """``path``, created (mode 0700) when missing, after checking that no other user can write it.
+
+    Contract: returns only when ``path`` is a folder owned by this user (or root) that neither group nor others
+    may write (group write is allowed where the group is this user's own private group), and its parent folder
+    is not writable by others unless sticky (``/tmp``). Otherwise :class:`CacheFolderError` names the folder and
+    the fix (``chmod go-w``, or another ``$KVAGENT_CACHE_DIR``): code (the native capture library) and KV bytes
+    (compiled skills) are loaded from these folders, so a file another user could put there runs as this user.
+    """
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise CacheFolderError(f"{what} {path}: cannot create it ({exc.strerror}): set $KVAGENT_CACHE_DIR to a "
+                               "folder of your own") from None
+    if stat.S_ISLNK(info.st_mode):
+        info = path.stat()  # a link the user made (e.g. ~/.cache on another disk): the target is checked
+    if not stat.S_ISDIR(info.st_mode):
+        raise CacheFolderError(f"{what} {path} is not a folder: remove it or set $KVAGENT_CACHE_DIR")
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    if uid is None:  # pragma: no cover - not POSIX: no ownership or mode bits to check
+        return path
+    fix = f"run `chmod go-w {path}` (and make sure it is yours) or set $KVAGENT_CACHE_DIR to a private folder"
+    if info.st_uid not in (uid, 0):
+        raise CacheFolderError(f"{what} {path} belongs to another user (uid {info.st_uid}): {fix}")
+    if info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and not _own_group(info.st_gid)):
+        raise CacheFolderError(f"{what} {path} can be written by other users (mode {stat.filemode(info.st_mode)}): {fix}")
+    parent = path.resolve().parent
+    try:
+        pinfo = parent.stat()
+    except OSError:  # pragma: no cover - the folder exists, so its parent does
+        return path
+    if pinfo.st_mode & stat.S_IWOTH and not pinfo.st_mode & stat.S_ISVTX:
+        raise CacheFolderError(f"{what} {path} lies in {parent}, which any user can write (not sticky): another user "
+                               "could replace the folder; set $KVAGENT_CACHE_DIR to a folder in a private place")
+    return path
+
+
+def _own_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's private group (its only member: Debian's user private groups)."""
+    try:
+        import grp
+        import pwd
+
+        group, user = grp.getgrgid(gid), pwd.getpwuid(os.getuid())
+    except (ImportError, KeyError):
+        return False
+    return group.gr_name == user.pw_name and user.pw_gid == gid and not [m for m in group.gr_mem if m != user.pw_name]
 
 
 def fingerprint(path: Path) -> str:

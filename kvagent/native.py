@@ -175,7 +175,9 @@ def _build_key(include: Path, lib: Path) -> str:
 
 
 def library_path() -> Path:
-    """Where :func:`build_native` puts (or finds) the library for the installed wheel and source."""
+    """Where :func:`build_native` puts (or finds) the library for the installed wheel and source: in the cache
+    folder's ``native`` folder, refused (:class:`~kvagent.errors.CacheFolderError`) where another user could write
+    it (a library they put at this predictable path would run as this user)."""
     from kvagent.models import cache_dir
 
     if not SOURCE.exists():
@@ -183,8 +185,11 @@ def library_path() -> Path:
             f"the native capture source {SOURCE} is missing (a broken install): reinstall kvagent, or use "
             "capture='python'"
         )
+    from kvagent.models import private_dir
+
     include, lib = wheel_dirs()
-    return cache_dir() / "native" / f"kvcapture-{_build_key(include, lib)}.so"
+    folder = private_dir(private_dir(cache_dir()) / "native", "kvagent's native library folder")  # CacheFolderError
+    return folder / f"kvcapture-{_build_key(include, lib)}.so"
 
 
 def build_native(force: bool = False) -> Path:

@@ -10,6 +10,7 @@ which the edit, transplant and eviction machinery rely on.
 from __future__ import annotations
 
 import itertools
+import string
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Mapping, Protocol, Sequence
@@ -36,6 +37,41 @@ _ids = itertools.count()
 
 DEFAULT_FIELD_TEMPLATE = "{name}: {value}"
 DEFAULT_ERRATUM_TEMPLATE = "[STATE UPDATE] {name} -> {value}; overrides any previous value"
+_PLACEHOLDERS = ("name", "value")
+
+
+def check_template(template: str) -> tuple[tuple[str, str | None], ...]:
+    """The parts of a FIELD / ERRATUM template: ``(literal text, placeholder or None)`` pairs.
+
+    Contract: a template is text with ``{name}`` and ``{value}`` placeholders (``{{`` and ``}}`` for braces)
+    and nothing else: a format spec (``{value:>99}``), a conversion (``{value!r}``), attribute or index access
+    (``{value.__class__}``, ``{value[0]}``) or any other name is refused with :class:`SegmentOrderError` naming
+    it, so rendering a template costs at most its length plus the value's (``str.format`` would evaluate those,
+    and ``{value:>10000000000}`` allocates gigabytes)."""
+    if not isinstance(template, str):
+        raise SegmentOrderError(f"a field template is text with {{name}} and {{value}}, got {type(template).__name__}")
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise SegmentOrderError(f"field template {template[:80]!r} does not parse ({exc}): write {{name}} and "
+                                "{value}, and {{ or }} for a literal brace") from None
+    parts: list[tuple[str, str | None]] = []
+    for literal, field_name, spec, conversion in parsed:
+        if field_name is None:
+            parts.append((literal, None))
+            continue
+        if field_name not in _PLACEHOLDERS or spec or conversion:
+            shown = "{" + field_name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise SegmentOrderError(f"field template {template[:80]!r}: {shown[:60]!r} is not allowed; a template "
+                                    "takes only {name} and {value} (no format spec, conversion, attribute or index)")
+        parts.append((literal, field_name))
+    return tuple(parts)
+
+
+def render_template(template: str, name: object, value: object) -> str:
+    """``template`` with ``{name}`` and ``{value}`` filled in (:func:`check_template` first; values as ``str``)."""
+    filled = {"name": str(name), "value": str(value)}
+    return "".join(literal + (filled[field] if field is not None else "") for literal, field in check_template(template))
 
 
 @dataclass(frozen=True)
@@ -66,7 +102,7 @@ class Segment:
     token_ids: tuple[int, ...] | None = None
     complete: bool = True
     value: object = None  # a FIELD's or ERRATUM's value
-    template: str | None = None  # how a FIELD/ERRATUM renders: str.format with {name} and {value}
+    template: str | None = None  # how a FIELD/ERRATUM renders: {name} and {value} only (check_template)
     priority: int = 0  # eviction order between segments: lower goes first
     opens: bool = True
     closes: bool = True
@@ -95,7 +131,7 @@ class Segment:
               role: str = "system") -> Segment:
         """A mutable field, its own message of ``role`` anywhere in the prompt (a later system message, a
         tool result as a user message, after few-shot turns)."""
-        text = template.format(name=name, value=value)
+        text = render_template(template, name, value)
         return cls(SegmentKind.FIELD, text, role=role, name=name, id=id, value=value, template=template)
 
     @classmethod
@@ -106,13 +142,13 @@ class Segment:
     def erratum(cls, name: str, value: object, *, template: str = DEFAULT_ERRATUM_TEMPLATE, id: str = "",
                 role: str = "system") -> Segment:
         """A field's update appended after it, as its own message of ``role`` (``kvagent.edits.Erratum``)."""
-        text = template.format(name=name, value=value)
+        text = render_template(template, name, value)
         return cls(SegmentKind.ERRATUM, text, role=role, name=name, id=id, value=value, template=template)
 
     def with_value(self, value: object) -> Segment:
         """The same FIELD (same id and template) holding another value."""
         template = self.template or DEFAULT_FIELD_TEMPLATE
-        return replace(self, value=value, text=template.format(name=self.name, value=value), token_ids=None)
+        return replace(self, value=value, text=render_template(template, self.name, value), token_ids=None)
 
     @classmethod
     def message(cls, role: str, *parts: str | Segment) -> tuple[Segment, ...]:
@@ -256,6 +292,11 @@ class Renderer:
     def segment_tokens(self, seg: Segment) -> tuple[int, ...]:
         """Token ids of one segment: open tag, body, closing tag (none while unfinished)."""
         if seg.token_ids is not None:
+            n_vocab = getattr(self._tok, "n_vocab", None)
+            if seg.token_ids and n_vocab is not None and not 0 <= min(seg.token_ids) <= max(seg.token_ids) < n_vocab:
+                bad = next(t for t in seg.token_ids if not 0 <= t < n_vocab)
+                raise SegmentOrderError(f"segment {seg.id!r}: token id {bad} is outside the vocabulary (0..{n_vocab - 1}); "
+                                        "give the segment's text instead")
             return self._wrap(seg, seg.token_ids)
         key = (seg.role, seg.text, seg.complete, seg.opens, seg.closes)
         ids = self._memo.get(key)
@@ -327,7 +368,9 @@ __all__ = [
     "SegmentKind",
     "Span",
     "Tokenizer",
+    "check_template",
     "common_prefix",
+    "render_template",
     "segment_from_dict",
     "segment_to_dict",
     "validate_order",
@@ -343,7 +386,18 @@ def segment_to_dict(seg: Segment) -> dict[str, object]:
 
 
 def segment_from_dict(data: Mapping[str, Any]) -> Segment:
-    """The segment :func:`segment_to_dict` wrote (keys added later default as a segment's do)."""
+    """The segment :func:`segment_to_dict` wrote (keys added later default as a segment's do). Texts must be
+    text and a template :func:`check_template`'s kind (``ValueError`` / :class:`SegmentOrderError` otherwise)."""
+    if not isinstance(data, Mapping):
+        raise ValueError("a segment is an object")
+    for key in ("text", "id"):
+        if not isinstance(data.get(key), str):
+            raise ValueError(f"a segment's {key} is text")
+    for key in ("name", "template", "role"):
+        if not isinstance(data.get(key), (str, type(None))):
+            raise ValueError(f"a segment's {key} is text")
+    if data.get("template") is not None:
+        check_template(data["template"])
     ids = data.get("token_ids")
     return Segment(SegmentKind(data["kind"]), str(data["text"]), role=data.get("role", "system"), name=data.get("name"),
                    id=data["id"], pinned=data.get("pinned"), token_ids=tuple(int(t) for t in ids) if ids is not None else None,

@@ -365,18 +365,21 @@ class Session:
         """This session's KV and prompt as a checked blob (see ``kvblob.KVBlob``)."""
         return self.run(self.save_work())
 
-    def restore_work(self, blob: bytes, segments: Sequence[Segment]) -> Work[None]:
+    def restore_work(self, blob: bytes, segments: Sequence[Segment], *, share: bool = False) -> Work[None]:
         self._check_open()
         rendered = self.renderer.render(list(segments))
-        restore_blob(self.cache, blob, rendered.tokens, self.model_fingerprint)
+        restore_blob(self.cache, blob, rendered.tokens, self.model_fingerprint, share=share)
         self._segments, self._rendered = list(segments), rendered
         return None
         yield  # pragma: no cover - a unit of work that never pauses
 
-    def restore(self, blob: bytes, segments: Sequence[Segment]) -> None:
+    def restore(self, blob: bytes, segments: Sequence[Segment], *, share: bool = False) -> None:
         """Load KV saved by :meth:`save` for the prompt ``segments`` (which must render to its tokens).
-        Checks come first (model, format, checksum, tokens); a refused blob leaves the session as it was."""
-        self.run(self.restore_work(blob, segments))
+        Checks come first (model, format, checksum, tokens); a refused blob leaves the session as it was.
+        Restored cells are never offered to other sessions through the prefix index unless ``share`` (bytes this
+        process saved itself, e.g. a parked session); cells computed on top of them are kept out as well, until
+        the prompt is rebuilt from its first token."""
+        self.run(self.restore_work(blob, segments, share=share))
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

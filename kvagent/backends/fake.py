@@ -132,6 +132,10 @@ class FakeBackend:
     def bos_id(self) -> int:
         return BOS
 
+    def rope_layout(self) -> None:
+        """No RoPE: transplants shift with ``seq_add``."""
+        return None
+
     @property
     def can_shift(self) -> bool:
         return self._can_shift

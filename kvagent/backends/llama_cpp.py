@@ -21,13 +21,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import llama_cpp as C
 import numpy as np
 
 from kvagent.backends.base import BackendConfig, Capabilities
 from kvagent.errors import BackendError, KVCacheFullError
+from kvagent.kv.rotate import RopeLayout
 
 if TYPE_CHECKING:
     from kvagent.native import Capture
@@ -281,6 +282,43 @@ class LlamaCppBackend:
             swa_keeps_all=self.n_swa == 0 or (self.config.swa_full and swa_patched()),
         )
 
+    def rope_layout(self) -> RopeLayout | None:
+        """How this model's saved keys are re-rotated (``kvagent.kv.rotate``), or None where kvagent does not
+        know the architecture's RoPE (transplants then shift with ``seq_add``). Read from the GGUF metadata the
+        way llama.cpp reads it: llama (ggml NORM mode) and gemma3 (NEOX; sliding-window layers every layer but
+        each 6th, their own base, 10000 unless the file says otherwise; the full-attention layers' cache is
+        saved first)."""
+        arch = self.architecture
+
+        def number(key: str, default: float) -> float:
+            value = self.meta(f"{arch}.{key}")
+            try:
+                return float(value) if value is not None else default
+            except ValueError:
+                return default
+
+        n_head = int(number("attention.head_count", 0)) or 1
+        head_dim = int(number("attention.key_length", number("embedding_length", 0) / n_head))
+        n_rot = int(number("rope.dimension_count", head_dim))
+        base = number("rope.freq_base", 10000.0)
+        factor = number("rope.scaling.factor", 0.0)
+        scaling = self.meta(f"{arch}.rope.scaling.type") or ("linear" if factor else "none")
+        if scaling not in ("none", "linear") or head_dim <= 0 or n_rot % 2 or n_rot > head_dim:
+            return None  # YaRN and other scalings are not a plain rotation by delta
+        scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
+        n = self.n_layer
+        if arch == "llama" and self.n_swa == 0:
+            return RopeLayout("norm", head_dim, n_rot, (((base, scale),) * n,))
+        if arch == "gemma3" and self.meta(f"{arch}.attention.sliding_window_pattern") is None:
+            pattern = 6
+            swa = [i % pattern < pattern - 1 for i in range(n)] if self.n_swa > 0 else [False] * n
+            local = (number("rope.freq_base_swa", 10000.0), 1.0)
+            caches = (tuple((base, scale) for s in swa if not s),)
+            if any(swa):
+                caches += (tuple(local for s in swa if s),)
+            return RopeLayout("neox", head_dim, n_rot, caches)
+        return None
+
     @property
     def can_shift(self) -> bool:
         """Whether ``seq_add`` (RoPE K-shift) is supported by this model's memory."""
@@ -472,14 +510,24 @@ class LlamaCppBackend:
 
 # -- the baseline: llama-cpp-python's own chat API ----------------------------------------------------
 @dataclass(frozen=True)
+class BaselineCall:
+    """One tool call of a :class:`BaselineReply`: the name and the arguments' JSON text as the model wrote them."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+
+@dataclass(frozen=True)
 class BaselineReply:
-    """One reply of :class:`BaselineChat`: its text, the prompt tokens it decoded, and its timings."""
+    """One reply of :class:`BaselineChat`: its text, the prompt tokens it decoded, its timings, its tool calls."""
 
     text: str
     prompt_tokens: int
     computed: int  # prompt tokens decoded for this call (the rest was the previous prompt's prefix)
     ttft_s: float
     total_s: float
+    tool_calls: tuple[BaselineCall, ...] = ()
 
 
 class BaselineChat:
@@ -487,7 +535,15 @@ class BaselineChat:
 
     One ``Llama``, one KV cache: each call renders the whole message list with the model's chat template and
     reuses the prefix it shares with the previous call's prompt (llama-cpp-python's own prefix match); a
-    change anywhere recomputes everything after it. For comparisons (``kvagent demo``), greedy decoding.
+    change anywhere recomputes everything after it. For comparisons (``kvagent demo``, ``kvagent bench tools``),
+    greedy decoding.
+
+    ``tools`` / ``tool_choice`` go to ``create_chat_completion`` as they are. What llama-cpp-python 0.3.36 does
+    with them on the shipped models (measured, BENCHMARKS.md "Tools"): the prompt is the chat handler's, and
+    neither handler renders tools (SmolLM2's GGUF template has no tool part; Gemma-3's GGUF has no template and
+    llama-cpp-python falls back to its ``llama-2`` format), so the model never reads the tools; a ``tool_choice``
+    naming a function constrains the reply to that function's parameters schema (a GBNF grammar) and returns it
+    as a call; ``auto`` and ``required`` decode free text.
     """
 
     def __init__(self, model_path: Path, *, n_ctx: int = 4096, n_threads: int = 0) -> None:
@@ -505,20 +561,43 @@ class BaselineChat:
 
         self._llama.eval = counting_eval  # type: ignore[method-assign]
 
-    def reply(self, messages: list[dict[str, str]], max_tokens: int) -> BaselineReply:
-        """Generate the assistant's reply to ``messages`` (``{"role", "content"}`` dicts), greedy, streamed so
-        that the time to the first token is measured."""
+    @property
+    def chat_format(self) -> str | None:
+        """The chat format llama-cpp-python picked for this GGUF (``chat_template.default``: the GGUF's template)."""
+        return self._llama.chat_format
+
+    def reply(self, messages: list[dict[str, Any]], max_tokens: int, *, tools: list[dict[str, Any]] | None = None,
+              tool_choice: Any = None) -> BaselineReply:
+        """Generate the assistant's reply to ``messages`` (OpenAI-style message dicts), greedy, streamed so that
+        the time to the first token is measured; ``tools`` and ``tool_choice`` (OpenAI's shapes) are passed to
+        ``create_chat_completion`` when given, and the streamed ``delta.tool_calls`` collected."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        options: dict[str, Any] = {}
+        if tools is not None:
+            options["tools"] = tools
+        if tool_choice is not None:
+            options["tool_choice"] = tool_choice
         self._decoded = []
         start = time.perf_counter()
         ttft = 0.0
         pieces: list[str] = []
+        calls: dict[int, list[str]] = {}  # index -> [id, name, argument pieces...]
         for chunk in self._llama.create_chat_completion(messages=messages, max_tokens=max_tokens, temperature=0.0,
-                                                        stream=True):
+                                                        stream=True, **options):
             if not ttft:
                 ttft = time.perf_counter() - start
-            pieces.append(chunk["choices"][0]["delta"].get("content") or "")  # type: ignore[index]
+            delta = chunk["choices"][0]["delta"]  # type: ignore[index]
+            pieces.append(delta.get("content") or "")
+            for call in delta.get("tool_calls") or []:
+                entry = calls.setdefault(int(call.get("index", 0)), [call.get("id") or "", ""])
+                function = call.get("function") or {}
+                entry[1] = entry[1] or function.get("name") or ""
+                entry.append(function.get("arguments") or "")
         computed = self._decoded[0] if self._decoded else 0
-        return BaselineReply("".join(pieces), self._prefix + computed, computed, ttft, time.perf_counter() - start)
+        tool_calls = tuple(BaselineCall(c[1], "".join(c[2:]), c[0]) for _, c in sorted(calls.items()))
+        return BaselineReply("".join(pieces), self._prefix + computed, computed, ttft, time.perf_counter() - start,
+                             tool_calls)
 
     def close(self) -> None:
         self._llama.close()

@@ -42,6 +42,19 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value for paired right/wrong outcomes: ``b`` pairs where only the first is right,
+    ``c`` where only the second is (an exact binomial test of ``min(b, c)`` out of ``b + c`` at 1/2; McNemar,
+    Psychometrika 1947, https://doi.org/10.1007/BF02295996). 1.0 without discordant pairs."""
+    if b < 0 or c < 0:
+        raise ValueError(f"discordant counts must be >= 0, got {b} and {c}")
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def bootstrap_perplexity_interval(nll: Sequence[np.ndarray], block: int = 64, reps: int = 2000, seed: int = 0,
                                   confidence: float = 0.95) -> tuple[float, float]:
     """A percentile bootstrap interval ``(low, high)`` for the perplexity of per-token NLLs, as perplexities.
@@ -111,5 +124,5 @@ def paired_ratio_interval(groups: Sequence[tuple[Sequence[bool], Sequence[bool]]
     return float(low), float(high)
 
 
-__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "cluster_bootstrap_interval", "paired_ratio_interval", "machine", "median",
-           "wilson_interval", "write_json"]
+__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "cluster_bootstrap_interval", "machine", "mcnemar_exact", "median",
+           "paired_ratio_interval", "wilson_interval", "write_json"]

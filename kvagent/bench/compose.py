@@ -33,7 +33,7 @@ GREEDY_TOKENS = 32
 
 def skill_of_length(engine: Engine, n_tokens: int, skills_dir: Path) -> SkillSpec:
     """A document skill of about ``n_tokens`` rendered tokens, from the shipped skills' paragraphs."""
-    paragraphs = [p for s in load_skills([skills_dir]) for p in s.body().split("\n\n") if p.strip()]
+    paragraphs = [p for s in load_skills([skills_dir]) if not s.tools for p in s.body().split("\n\n") if p.strip()]
     renderer = engine.renderer(True)
     text, i = "", 0
     while True:
@@ -81,7 +81,7 @@ def _transplant_floor(engine: Engine, library: SkillLibrary, spec: SkillSpec) ->
     with engine.session([POLICY], share_prefix=False) as s:
         s.prefill()
         start = time.perf_counter()
-        library.transplant(s.seq, skill, len(s.tokens))
+        library.transplant(s.cache, skill, s.rendered)
         transplant = time.perf_counter() - start
     return transplant, memcpy
 

@@ -286,3 +286,110 @@ def bench_concurrency(
           fmt(r["ttft_s"], ".3f"), fmt(r["max_stall_ms"], ".1f"), fmt(r["prefill_chunk"], "d"), notes(r)]
          for r in rows],
     )
+
+
+@app.command("tools")
+def bench_tools(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="6 requests, 2 and 4 tools, 1 repetition, 16 decoded tokens."),
+    tasks: str = typer.Option("validity,ttft,decode", help="Tasks to run, comma-separated; the JSON keeps the other "
+                              "tasks' rows."),
+    reps: int = typer.Option(None, help="TTFT repetitions (default 3; 1 with --quick)."),
+    requests: int = typer.Option(None, help="Requests of the held-out set to run (default all 60; 6 with --quick)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/tools.json)."),
+) -> None:
+    """Tool calling: valid calls with and without the grammar, tool selection, TTFT with 4-64 tools bound vs
+    llama-cpp-python's create_chat_completion(tools=...), per-token cost of constrained decoding."""
+    from kvagent.bench import tools
+
+    chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    if not chosen or set(chosen) - set(tools.TASKS):
+        raise typer.BadParameter(f"unknown task(s) in {tasks!r}: use {', '.join(tools.TASKS)}", param_hint="--tasks")
+    try:
+        plan = tools.Plan.for_run(quick, reps=reps, requests=requests)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    json_path = json_path or (RESULTS_DIR / "tools-quick.json" if quick else tools.DEFAULT_JSON)
+    with console.status("tools benchmark") as status:
+        rows = tools.run(model_names(model), plan, json_path, command_line(), chosen,
+                         progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    tools.plot(rows, plot_path)
+    ci = lambda r: f"{r['share']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] ({r['successes']}/{r['n']})"  # noqa: E731
+    print_table(f"tool calls ({json_path}, {plot_path})", ("model", "task", "mode", "share [95% CI]", "notes"),
+                [[r["model"], r["task"], r["mode"], ci(r),
+                  f"{r['attempted']} turns wrote {'<tool_call>'}" if "attempted" in r else ""]
+                 for r in rows if r["task"] in ("validity", "selection")])
+    print_table("time to first token with tools bound", ("model", "tools", "system", "TTFT ms", "x kvagent's",
+                                                         "prompt tokens", "computed", "transplanted", "notes"),
+                [[r["model"], str(r["tools"]), r["system"], f"{r['ttft_s'] * 1e3:.0f}", f"{r['speedup_vs']:.1f}",
+                  f"{r['prompt_tokens']:.0f}", f"{r['computed']:.0f}", f"{r['transplanted']:.0f}",
+                  f"compiled once in {r['compile_s']:.1f} s, grammar {r['grammar_s'] * 1e3:.0f} ms"
+                  if "compile_s" in r else ""] for r in rows if r["task"] == "ttft"])
+    print_table("per-token cost of constrained decoding", ("model", "mode", "ms/token", "added", "added (mask + "
+                                                            "consume)", "mask ms/token", "consume ms/token", "tokens"),
+                [[r["model"], r["mode"], f"{r['ms_per_token']:.2f}", f"{r['added_share']:+.1%}",
+                  f"{r.get('added_direct_share', 0.0):+.1%}",
+                  f"{r['mask_ms_per_token']:.3f}", f"{r['consume_ms_per_token']:.3f}", f"{r['tokens']:.0f}"]
+                 for r in rows if r["task"] == "decode"])
+
+
+@app.command("memory")
+def bench_memory(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="1 persona, a conversation of about 500 tokens (structure only)."),
+    personas: int = typer.Option(3, help="Personas per model, 14 questions each (ignored with --quick)."),
+    tokens: int = typer.Option(2000, help="Conversation length in tokens (ignored with --quick)."),
+    recompiled_timed: int = typer.Option(1, help="Edits of the recompiled way timed one by one (the rest in one "
+                                         "recompile)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/memory.json)."),
+) -> None:
+    """Memory edits three ways (head blocks edited by auto, Letta's recompiled prompt, memory after the trajectory
+    transplanted): tokens computed and edit-to-first-token per edit, QA accuracy of each vs a full recompute."""
+    import tempfile
+
+    from kvagent.bench import memory
+
+    n_personas, n_tokens = (1, 500) if quick else (personas, tokens)
+    json_path = json_path or (RESULTS_DIR / ("memory-quick.json" if quick else "memory.json"))
+    with console.status("memory benchmark") as status, tempfile.TemporaryDirectory() as store:
+        rows = memory.run(model_names(model), n_personas, n_tokens, json_path, command_line(), Path(store),
+                          progress=lambda m: status.update(m), recompiled_timed=recompiled_timed)
+    plot_path = json_path.with_suffix(".png")
+    memory.plot(rows, plot_path)
+    ci = lambda r, k: f"{r[k]:.2f} [{r[k + '_ci'][0]:.2f}, {r[k + '_ci'][1]:.2f}]"  # noqa: E731
+    print_table(f"memory edits three ways ({json_path}, {plot_path})",
+                ("model", "way", "questions", "tokens/edit", "edit->token s", "x fewer tokens", "x sooner",
+                 "accuracy [95%]", "full recompute [95%]", "agreement", "McNemar p"),
+                [[r["model"], r["way"], str(r["n_questions"]), f"{r['edit_tokens']:.0f}", f"{r['edit_to_token_s']:.3f}",
+                  f"{r['tokens_ratio_vs_recompiled']:.1f}" if "tokens_ratio_vs_recompiled" in r else "-",
+                  f"{r['ttft_speedup_vs_recompiled']:.1f}" if "ttft_speedup_vs_recompiled" in r else "-",
+                  ci(r, "accuracy"), ci(r, "oracle_accuracy"), f"{r['agreement']:.2f}", f"{r['mcnemar_p']:.3f}"]
+                 for r in rows])
+
+
+@app.command("recompute")
+def bench_recompute(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    quick: bool = typer.Option(False, help="One prompt (refund-policy alone), fractions 0 and 10%."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/recompute.json)."),
+    skills_dir: Path = typer.Option(Path("skills"), help="The shipped skill files."),
+) -> None:
+    """Selective recompute of transplanted skills: next-token logit cosine vs a cold prefill for 0-10% of the
+    positions recomputed (ranked at compile time), single skills and three composed, and its cost."""
+    from kvagent.bench import recompute
+
+    json_path = json_path or (RESULTS_DIR / ("recompute-quick.json" if quick else "recompute.json"))
+    fractions, chosen = ((0.0, 0.10), recompute.cases()[:1]) if quick else (recompute.FRACTIONS, None)
+    with console.status("recompute benchmark") as status:
+        rows = recompute.run(model_names(model), json_path, command_line(), skills_dir, fractions, chosen,
+                             progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    recompute.plot(rows, plot_path)
+    print_table(f"selective recompute vs cold prefill ({json_path}, {plot_path})",
+                ("model", "skills", "recomputed", "cases", "cosine (median)", "min", "improved", "extra fresh",
+                 "s (median)", "x seam only", "cold s"),
+                [[r["model"], r["kind"], f"{r['fraction']:.0%}", str(r["n_cases"]), f"{r['cosine_median']:.5f}",
+                  f"{r['cosine_min']:.5f}", f"{r['improved']}/{r['n_cases']}", f"{r['extra_fresh_median']:.0f}",
+                  f"{r['seconds_median']:.2f}", f"{r['seconds_vs_seam_only']:.2f}", f"{r['cold_s_median']:.2f}"]
+                 for r in rows if r["kind"] != "compile"])

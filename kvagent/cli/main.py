@@ -9,13 +9,14 @@ command says what to install.
 
 from __future__ import annotations
 
+import logging
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable
+
 import typer
 from rich.markup import escape
 from rich.table import Table
-
-import logging
-from importlib.metadata import entry_points
-from typing import Any, Callable
 
 from kvagent.cli.bench import app as bench_app
 from kvagent.cli.common import configure_logging, console
@@ -39,10 +40,11 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kvagen
 def demo(
     model: str = typer.Option("smollm2-135m", help="Registry name or path of a local .gguf file."),
     max_tokens: int = typer.Option(40, help="Most tokens per reply."),
+    json_path: Path = typer.Option(None, "--json", help="Also write the per-turn rows here (JSON)."),
 ) -> None:
-    """One support conversation, side by side: kvagent (compiled skill, erratum, eviction budget) and
+    """One support conversation, side by side: kvagent (compiled skill, erratum, eviction budget, a tool call) and
     llama-cpp-python's own create_chat_completion; per turn the prompt tokens computed, TTFT and the answer."""
-    from kvagent.demo import BUDGET, DemoTurn, run_demo
+    from kvagent.demo import BUDGET, Call, DemoTurn, run_demo
     from kvagent.engine import Engine
 
     try:
@@ -52,32 +54,45 @@ def demo(
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from exc
     console.print(f"[bold]kvagent demo[/] on {engine.model.name}: a support agent with a policy, a compiled skill "
-                  f"(refund-policy), two fields and a long account history, kept within {BUDGET} KV cells; the same "
-                  "conversation through llama-cpp-python's Llama.create_chat_completion beside it.")
+                  f"(refund-policy), two fields, a long account history kept within {BUDGET} KV cells and one tool "
+                  "(lookup_order); the same conversation through llama-cpp-python's Llama.create_chat_completion "
+                  "beside it.")
 
     def one_line(text: str) -> str:
-        return " ".join(text.split()) or "(empty reply)"
+        return escape(" ".join(text.split()) or "(empty reply)")
+
+    def call_line(call: Call | None) -> str:
+        if call is None:
+            return ""
+        valid = "valid arguments" if call.valid else "[red]arguments not valid[/]"
+        copied = f", {call.transplanted} tokens of the tool's description transplanted" if call.transplanted else ""
+        return (f"\n    tool call {escape(call.name)}({escape(call.arguments)}): {valid}; computed {call.computed} "
+                f"tokens, TTFT {call.ttft_s * 1000:.0f} ms{copied}")
 
     def show(row: DemoTurn) -> None:
         change = ", ".join(f"{k} -> {v}" for k, v in row.changes.items())
         note = (f"  [cyan]{change}: kvagent appends an erratum line; llama-cpp-python's system prompt is rewritten[/]"
                 if change else "")
+        if row.kvagent.call is not None:
+            note += ("  [cyan]a tool turn: kvagent transplants the tool's compiled description and decodes the call "
+                     "under its grammar; llama-cpp-python gets tools= and tool_choice=; computed and TTFT: the call's and the answer's, "
+                     "summed[/]")
         k, b = row.kvagent, row.baseline
-        console.print(f"\n[bold]turn {row.turn}[/]{note}\n[bold]customer:[/] {row.question}")
-        transplanted = f", {k.transplanted} transplanted from the compiled skill" if k.transplanted else ""
+        console.print(f"\n[bold]turn {row.turn}[/]{note}\n[bold]customer:[/] {escape(row.question)}")
+        extra = f", {k.transplanted} transplanted from the compiled skill" if k.transplanted and not k.call else ""
         console.print(f"  [green]kvagent[/]          computed {k.computed:>5} tokens, TTFT {k.ttft_s * 1000:>6.0f} ms, "
-                      f"{k.cells} KV cells{transplanted}\n    {one_line(k.answer)}")
+                      f"{k.cells} KV cells{extra}{call_line(k.call)}\n    {one_line(k.answer)}")
         console.print(f"  [yellow]llama-cpp-python[/] computed {b.computed:>5} tokens, "
-                      f"TTFT {b.ttft_s * 1000:>6.0f} ms\n    {one_line(b.answer)}")
+                      f"TTFT {b.ttft_s * 1000:>6.0f} ms{call_line(b.call)}\n    {one_line(b.answer)}")
 
     with engine:
         rows = run_demo(engine, max_tokens=max_tokens, on_turn=show)
-    table = Table(title="per turn: prompt tokens computed, time to first token (* a field changed)")
+    table = Table(title="per turn: prompt tokens computed, time to first token (* a field changed, t a tool call)")
     for col in ("turn", "kvagent\ncomputed", "kvagent\nTTFT ms", "llama-cpp-python\ncomputed",
                 "llama-cpp-python\nTTFT ms"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(f"{r.turn}{'*' if r.changes else ''}", str(r.kvagent.computed), f"{r.kvagent.ttft_s * 1000:.0f}",
+        table.add_row(f"{r.turn}{'*' if r.changes else ''}{'t' if r.kvagent.call else ''}", str(r.kvagent.computed), f"{r.kvagent.ttft_s * 1000:.0f}",
                       str(r.baseline.computed), f"{r.baseline.ttft_s * 1000:.0f}")
     console.print(table)
     ours, theirs = sum(r.kvagent.computed for r in rows), sum(r.baseline.computed for r in rows)
@@ -86,6 +101,14 @@ def demo(
                   f"({theirs / max(ours, 1):.1f}x as many); summed time to first token {ttft_ours:.1f} s vs "
                   f"{ttft_theirs:.1f} s; kvagent held at most {max(r.kvagent.cells for r in rows)} KV cells "
                   f"(budget {BUDGET}).")
+    if json_path is not None:
+        from dataclasses import asdict
+
+        from kvagent.results import write_json
+
+        command = f"kvagent demo --model {model} --max-tokens {max_tokens} --json {json_path}"
+        write_json(json_path, command, [asdict(r) for r in rows], model=engine.model.name, budget=BUDGET)
+        console.print(f"rows written to {json_path}")
 
 
 @app.command()

@@ -27,8 +27,11 @@ def save_blob(state: CachedSequence, fingerprint: str) -> bytes:
                   tuple(sorted(state.evicted))).to_bytes()
 
 
-def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fingerprint: str) -> None:
-    """Load ``blob`` into ``state``; ``tokens`` are what the prompt it is restored for renders to."""
+def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fingerprint: str, *,
+                 share: bool = False) -> None:
+    """Load ``blob`` into ``state``; ``tokens`` are what the prompt it is restored for renders to. ``share``: the
+    blob is this process's own, so its prefix may be shared with other sessions of the scope (default: kept out
+    of the prefix index, ``CachedSequence.restore``)."""
     backend = state.backend
     if not backend.capabilities.state_save:
         raise KVAgentError("this backend cannot restore a sequence's KV: replace the session's segments instead "
@@ -42,7 +45,7 @@ def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fi
     logits = np.frombuffer(parsed.logits, dtype=np.float32).copy() if parsed.logits else None
     if logits is not None and logits.shape != (backend.n_vocab,):
         raise KVAgentError(f"the blob's logits have {logits.size} entries, the model {backend.n_vocab}")
-    state.restore(parsed.payload, parsed.tokens, logits, frozenset(parsed.evicted))
+    state.restore(parsed.payload, parsed.tokens, logits, frozenset(parsed.evicted), share=share)
     held = list(backend.seq_positions(state.seq))
     if held != list(state.cached_positions):
         state.cut(0)

@@ -19,8 +19,10 @@ from typing import Iterator, Sequence
 from kvagent.backends.base import Backend
 from kvagent.errors import KVAgentError
 from kvagent.kv.prefix import PrefixIndex
+from kvagent.kv.rotate import RopeLayout, shift_saved
 
 log = logging.getLogger(__name__)
+_UNSET = object()
 
 
 class SequencePool:
@@ -34,6 +36,7 @@ class SequencePool:
         self._held: set[int] = set()
         # (a, b) with a < b -> cells at positions < upto are shared by both sequences
         self._shared: dict[tuple[int, int], int] = {}
+        self._rope: RopeLayout | None | object = _UNSET  # the backend's, asked once (moved_state)
 
     # -- ids --------------------------------------------------------------------------------------
     @property
@@ -78,6 +81,23 @@ class SequencePool:
                 yield seq
             finally:
                 self.release(seq)
+
+    def moved_state(self, payload: bytes, start: int, delta: int) -> bytes | None:
+        """``payload`` (a saved sequence) with its cells from position ``start`` on moved by ``delta`` and their
+        keys re-rotated in the bytes (``kvagent.kv.rotate``); None where the backend's RoPE is not known, the
+        move is backwards, or the bytes are not in the layout it expects (the caller then uses ``seq_add``)."""
+        if delta < 0:
+            return None
+        if self._rope is _UNSET:
+            self._rope = self.backend.rope_layout()
+        if self._rope is None:
+            return None
+        try:
+            return shift_saved(payload, start, delta, self._rope)
+        except ValueError as exc:
+            log.warning("re-rotating a saved sequence in its bytes failed (%s): shifting it with seq_add", exc)
+            self._rope = None
+            return None
 
     def prefill_saved(self, tokens: Sequence[int]) -> bytes:
         """``tokens`` decoded at positions ``0..n-1`` in a scratch sequence, saved (``seq_save``): a compiled

@@ -4,6 +4,10 @@ In the shape of SGLang's radix cache (``python/sglang/srt/mem_cache/radix_cache.
 runs, each node knows the sequences whose indexed prefix passes through it. ``match`` walks the tree once
 (O(len(tokens))) instead of comparing against every open session. The index holds, per sequence, only
 the prefix that other sequences may share (no stale or evicted cell): the pool keeps it up to date.
+
+Every sequence's prefix lives in one *scope* (a tenant of a server, as vLLM's ``cache_salt``): ``match`` only
+finds prefixes of the scope it is asked for, so a session never starts from, and can never time or count, the
+cells of another scope. The default scope ``""`` is shared by everything that does not name one.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ class PrefixIndex:
     """Token prefixes of live sequences. Invariant: ``indexed(seq)`` is exactly what was last inserted."""
 
     def __init__(self) -> None:
-        self._root = _Node()
+        self._roots: dict[str, _Node] = {}
         self._held: dict[int, tuple[int, ...]] = {}
+        self._scope: dict[int, str] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -33,9 +38,17 @@ class PrefixIndex:
         """The prefix indexed for ``seq`` (empty when none)."""
         return self._held.get(seq, ())
 
-    def match(self, tokens: Sequence[int], exclude: int = -1) -> tuple[int, int]:
-        """``(seq, n)``: a sequence (not ``exclude``) holding ``tokens[:n]`` with ``n`` maximal; ``(-1, 0)`` if none."""
-        node, i, best = self._root, 0, (-1, 0)
+    def scope_of(self, seq: int) -> str | None:
+        """The scope ``seq``'s prefix is indexed in (None: nothing indexed)."""
+        return self._scope.get(seq)
+
+    def match(self, tokens: Sequence[int], exclude: int = -1, scope: str = "") -> tuple[int, int]:
+        """``(seq, n)``: a sequence of ``scope`` (not ``exclude``) holding ``tokens[:n]`` with ``n`` maximal;
+        ``(-1, 0)`` if none. Sequences of other scopes are never considered."""
+        root = self._roots.get(scope)
+        if root is None:
+            return (-1, 0)
+        node, i, best = root, 0, (-1, 0)
         tokens = tuple(tokens)
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -51,15 +64,15 @@ class PrefixIndex:
             node, i = child, i + n
         return best
 
-    def insert(self, seq: int, tokens: Sequence[int]) -> None:
-        """Index ``tokens`` as ``seq``'s shareable prefix (replacing what was indexed for it)."""
+    def insert(self, seq: int, tokens: Sequence[int], scope: str = "") -> None:
+        """Index ``tokens`` as ``seq``'s shareable prefix in ``scope`` (replacing what was indexed for it)."""
         tokens = tuple(tokens)
-        if self._held.get(seq) == tokens:
+        if self._held.get(seq) == tokens and self._scope.get(seq) == scope:
             return
         self.remove(seq)
         if not tokens:
             return
-        node, i = self._root, 0
+        node, i = self._roots.setdefault(scope, _Node()), 0
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
@@ -73,14 +86,17 @@ class PrefixIndex:
             child.seqs.add(seq)
             node, i = child, i + len(child.edge)
         self._held[seq] = tokens
+        self._scope[seq] = scope
 
     def remove(self, seq: int) -> None:
         """Forget ``seq`` (its sequence was freed or its shareable prefix changed); prunes empty nodes."""
         tokens = self._held.pop(seq, None)
+        scope = self._scope.pop(seq, "")
         if not tokens:
             return
         path: list[tuple[_Node, _Node]] = []
-        node, i = self._root, 0
+        root = self._roots[scope]
+        node, i = root, 0
         while i < len(tokens):
             child = node.children[tokens[i]]
             child.seqs.discard(seq)
@@ -89,6 +105,8 @@ class PrefixIndex:
         for parent, child in reversed(path):
             if not child.seqs and not child.children:
                 del parent.children[child.edge[0]]
+        if not root.children:
+            del self._roots[scope]
 
 
 def _common(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:

@@ -37,8 +37,11 @@ log = logging.getLogger(__name__)
 class CachedSequence:
     """The KV state of one sequence id of ``pool``; ``chunk`` bounds the tokens decoded between pauses."""
 
-    def __init__(self, pool: SequencePool, seq: int, *, evictor: Evictor | None = None, chunk: int = 64) -> None:
+    def __init__(self, pool: SequencePool, seq: int, *, evictor: Evictor | None = None, chunk: int = 64,
+                 scope: str = "") -> None:
         self.pool = pool
+        self.scope = scope
+        """The prefix index scope (a tenant): this sequence's prefix is found only by sessions of the same scope."""
         self.backend = pool.backend
         self.seq = seq
         self.evictor = evictor
@@ -50,6 +53,7 @@ class CachedSequence:
         self._stale: frozenset[int] = frozenset()
         self._evicted: frozenset[int] = frozenset()
         self._floor = 0
+        self._restored = False  # cells loaded from saved bytes: never published until the cache is cut to 0
 
     # -- reading ----------------------------------------------------------------------------------
     tokens = property(lambda self: self._tokens, doc="Token ids of positions 0..len-1 (evicted ones included).")
@@ -75,6 +79,18 @@ class CachedSequence:
         return min(dirty) if dirty else len(self._tokens)
 
     @property
+    def shareable(self) -> int:
+        """Length of the prefix this sequence publishes to its scope of the index: the clean prefix, or nothing
+        while it holds cells restored from saved bytes (``restore(share=False)``): bytes that came from outside
+        are never shared with another session."""
+        return 0 if self._restored else self.clean_prefix
+
+    @property
+    def restored(self) -> bool:
+        """Whether the cache holds cells restored from saved bytes without ``share`` (kept out of the index)."""
+        return self._restored
+
+    @property
     def batchable(self) -> bool:
         """Whether this sequence's decode steps may share a batch (not when eviction records hidden states)."""
         return self.evictor is None or not self.evictor.policy.needs_hidden
@@ -90,10 +106,11 @@ class CachedSequence:
             self._evicted = frozenset(p for p in self._evicted if p < position)
         if position == 0:
             self._floor = 0
+            self._restored = False
         if self.evictor is not None:
             self.evictor.forget_from(position)
         if len(self.pool.index.indexed(self.seq)) > position:
-            self.pool.index.insert(self.seq, self._tokens[: self.clean_prefix])
+            self.publish()
 
     def share_prefix(self, src: int, tokens: Sequence[int]) -> None:
         """Hold ``tokens`` by taking ``src``'s cells for positions ``len(self.tokens)..len(tokens)-1`` (shared, not
@@ -166,31 +183,56 @@ class CachedSequence:
         return self._decoder.decode(tokens, positions, [self.seq] * len(tokens), outputs)
 
     # -- transplants ------------------------------------------------------------------------------
-    def place_transplant(self, payload: bytes, tokens: Sequence[int], n_sink: int, seam: int, rendered: Rendered) -> tuple[int, int]:
+    def place_transplant(self, payload: bytes, tokens: Sequence[int], n_sink: int, seam: int, rendered: Rendered,
+                         recompute: Sequence[int] = ()) -> tuple[int, int]:
         """Append a compiled skill: its saved sequence ``payload`` holds ``n_sink`` sink tokens then ``tokens``.
 
-        The first ``seam`` tokens are decoded fresh in context (seam repair); the saved sequence is restored
-        into a scratch sequence (its own cells), the sink and seam cells are removed, the rest is shifted by
-        the RoPE re-rotation ``position - n_sink`` and shared into this sequence. Returns (tokens decoded
-        fresh, cells copied). An eviction cycle may run after it.
+        The first ``seam`` tokens are decoded fresh in context (seam repair), and so are the skill's positions
+        ``recompute`` (offsets into ``tokens``: a selective recompute of the cells that deviate most from a cold
+        prefill, CacheBlend's); the saved sequence is restored into a scratch sequence (its own cells), the sink
+        cells removed, the rest shifted by the RoPE re-rotation ``position - n_sink``, and the span is built left
+        to right (llama.cpp takes a sequence's new tokens only at ``pos_max + 1``): runs of copied cells shared
+        into this sequence, fresh positions decoded in between (attending to the copied cells before them).
+        The re-rotation is done on the saved bytes before the restore where the pool can
+        (``SequencePool.moved_state``): ``seq_add`` would leave a K-shift that llama.cpp applies to the whole KV
+        buffer at the next decode, once per skill. Returns (tokens decoded fresh, cells copied). An eviction
+        cycle may run after it.
         """
         position, length = len(self._tokens), len(tokens)
         seam = min(seam, length)
         full = (*self._tokens, *tokens)
-        if seam:
-            self.extend_decoded(full[: position + seam])
-        if seam < length:
+        fresh = [False] * length
+        for i in (*range(seam), *recompute):
+            if 0 <= i < length:
+                fresh[i] = True
+        n_fresh = sum(fresh)
+        if n_fresh == length:
+            self.extend_decoded(full)
+        else:
+            if seam:  # decoded before the scratch takes its cells (the cell layout of a transplant without recompute)
+                self.extend_decoded(full[: position + seam])
             backend = self.backend
+            moved = self.pool.moved_state(payload, n_sink + seam, position - n_sink)
             with self.pool.scratch() as scratch:
-                backend.seq_restore(scratch, payload)
-                backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's cell never travels
-                backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
-                self.pool.share(scratch, self.seq, position + seam, position + length)
+                backend.seq_restore(scratch, payload if moved is None else moved)
+                backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's and the seam's cells never travel
+                if moved is None:
+                    backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
+                i = seam
+                while i < length:
+                    end = i
+                    while end < length and fresh[end] == fresh[i]:
+                        end += 1
+                    if fresh[i]:
+                        self.extend_decoded(full[: position + end])
+                    else:
+                        self.share_prefix(scratch, full[: position + end])
+                    i = end
         if not self.backend.capabilities.swa_keeps_all and length - seam + n_sink > self.backend.n_swa:
             self._floor = max(self._floor, position + length)  # unpatched llama.cpp: the middle SWA cells did not travel
         self._tokens, self._logits = full, None
         self.maybe_cycle(rendered)
-        return seam, length - seam
+        return n_fresh, length - n_fresh
 
     # -- settling ---------------------------------------------------------------------------------
     def commit(self, tokens: Sequence[int], logits: np.ndarray) -> None:
@@ -227,8 +269,9 @@ class CachedSequence:
         return report
 
     def publish(self) -> None:
-        """Index this sequence's clean prefix so other sessions can start from it."""
-        self.pool.index.insert(self.seq, self._tokens[: self.clean_prefix])
+        """Index this sequence's shareable prefix (:attr:`shareable`) in its scope, so other sessions of that
+        scope can start from it."""
+        self.pool.index.insert(self.seq, self._tokens[: self.shareable], self.scope)
 
     def resync_from_backend(self, tokens: Sequence[int]) -> None:
         """After a failed decode: record exactly the prefix of ``tokens`` the backend now holds."""
@@ -241,16 +284,20 @@ class CachedSequence:
         return self.backend.seq_save(self.seq)
 
     def restore(self, payload: bytes, tokens: tuple[int, ...], logits: np.ndarray | None,
-                evicted: frozenset[int] = frozenset()) -> None:
+                evicted: frozenset[int] = frozenset(), *, share: bool = False) -> None:
         """Replace the cache by saved bytes holding ``tokens`` less the ``evicted`` positions (checked by
-        the caller against the backend's cells)."""
+        the caller against the backend's cells). ``share``: the bytes are this process's own (a parked session
+        it saved itself), so the prefix is published as usual; otherwise it is kept out of the prefix index
+        until the cache is cut to 0."""
         self.pool.cut(self.seq, 0)
         try:
             self.backend.seq_restore(self.seq, payload)
         except Exception:  # llama.cpp empties the sequence before it refuses: record that
             self._tokens, self._logits, self._evicted, self._stale, self._floor = (), None, frozenset(), frozenset(), 0
+            self._restored = False
             self.publish()
             raise
+        self._restored = not share
         self._tokens, self._logits = tokens, logits
         self._evicted, self._stale = frozenset(evicted), frozenset()
         if self.evictor is not None:

@@ -75,7 +75,7 @@ def sync(
     keep = min(keep, len(new) - 1)  # the last token is always decoded: its logits are needed
     if keep < state.floor:  # SWA cells below the floor are missing: extending from there is not exact
         keep = 0
-    shared_seq, shared = pool.index.match(new, exclude=state.seq) if share_prefix else (-1, 0)
+    shared_seq, shared = pool.index.match(new, exclude=state.seq, scope=state.scope) if share_prefix else (-1, 0)
     shared = min(shared, len(new) - 1)
     # a reused prefix that ends inside a compiled skill would decode the skill's rest: transplant it whole
     keep = _before_skill(rendered, keep, skills, renderer_sink)

@@ -5,10 +5,19 @@ Layout: :data:`MAGIC`, an 8-byte big-endian header length, a JSON header (``form
 settings, the segments it adds itself), then the KV blob (``kvagent.kvblob``: model fingerprint, backend format
 and checksum, all checked when it is restored). The header is JSON, never pickle: reading a snapshot runs no code
 from it. A snapshot without KV (a session whose cache could not be saved) is restored by prefilling its segments.
+
+A snapshot that travels through a client (a server's ``save`` / ``restore``) is *signed*: :func:`sign` puts
+:data:`SIGNED_MAGIC` and an HMAC-SHA256 of the snapshot, under a secret only the saver holds and a ``context``
+(e.g. the tenant), in front of it; :func:`unsign` gives the snapshot back only when the MAC matches, so neither
+its KV bytes nor its token ids can be forged. :meth:`Snapshot.text_only` is what may be kept of one that
+fails: its texts, without KV and without token ids (the text is tokenized again).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import struct
@@ -23,11 +32,56 @@ from kvagent.tools.format import ToolCall
 
 MAGIC = b"KVAGENT-SNAPSHOT\n"
 FORMAT = "kvagent-snapshot/1"
+SIGNED_MAGIC = b"KVAGENT-SIGNED-SNAPSHOT/1\n"
+MIN_SECRET = 32
+"""Bytes a signing secret holds at least."""
 _LENGTH = struct.Struct(">Q")
+_MAC = hashlib.sha256().digest_size
 
 
 class SnapshotError(KVBlobError):
     """Bytes that are not a kvagent snapshot, or one whose header is corrupt or of another format."""
+
+
+class SnapshotSignatureError(SnapshotError):
+    """A signed snapshot whose signature does not match (modified, or signed with another secret or context),
+    or bytes that should be signed and are not."""
+
+
+def _mac(secret: bytes, context: bytes, data: bytes) -> bytes:
+    if len(secret) < MIN_SECRET:
+        raise ValueError(f"a snapshot signing secret needs at least {MIN_SECRET} bytes, got {len(secret)}")
+    material = hmac.new(secret, digestmod=hashlib.sha256)
+    material.update(SIGNED_MAGIC + _LENGTH.pack(len(context)) + context)
+    material.update(data)
+    return material.digest()
+
+
+def sign(data: bytes, secret: bytes, context: bytes = b"") -> bytes:
+    """``data`` (a snapshot's bytes) signed: :data:`SIGNED_MAGIC`, HMAC-SHA256(secret, context, data), data.
+    ``context`` binds the signature to where it may be opened (a tenant's name): another context fails."""
+    return SIGNED_MAGIC + _mac(secret, context, data) + data
+
+
+def is_signed(data: bytes) -> bool:
+    return data.startswith(SIGNED_MAGIC)
+
+
+def unsign(data: bytes, secret: bytes, context: bytes = b"", *, source: str = "the snapshot") -> bytes:
+    """The snapshot inside signed ``data``; :class:`SnapshotSignatureError` (nothing trusted) when it is not
+    signed or its MAC does not match ``secret`` and ``context`` (compared in constant time)."""
+    if not data.startswith(SIGNED_MAGIC) or len(data) < len(SIGNED_MAGIC) + _MAC:
+        raise SnapshotSignatureError(f"{source} is not signed by this server: restore only what its save answered")
+    mac, inner = data[len(SIGNED_MAGIC):len(SIGNED_MAGIC) + _MAC], data[len(SIGNED_MAGIC) + _MAC:]
+    if not hmac.compare_digest(mac, _mac(secret, context, inner)):
+        raise SnapshotSignatureError(f"{source}: the signature does not match (the bytes were changed, or saved by "
+                                     "another server secret or another tenant): save the session again")
+    return inner
+
+
+def signed_payload(data: bytes) -> bytes:
+    """The snapshot bytes inside signed ``data`` without checking the signature (for a text-only restore)."""
+    return data[len(SIGNED_MAGIC) + _MAC:] if data.startswith(SIGNED_MAGIC) else data
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -41,6 +95,10 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
 
 
 def _message(d: dict[str, Any]) -> ChatMessage:
+    if not isinstance(d, dict) or not isinstance(d.get("content"), str) or not isinstance(d.get("role"), str):
+        raise ValueError("a message is an object with a role and text content")
+    if not isinstance(d.get("name"), (str, type(None))) or not isinstance(d.get("tool_call_id"), (str, type(None))):
+        raise ValueError("a message's name and tool_call_id are text")
     calls = tuple(ToolCall(str(c["name"]), dict(c["arguments"]), str(c["id"])) for c in d.get("tool_calls") or [])
     return ChatMessage(d["role"], d["content"], d.get("name"), tool_calls=calls, tool_call_id=d.get("tool_call_id"))
 
@@ -54,6 +112,17 @@ class Snapshot:
     messages: tuple[ChatMessage, ...] = ()
     blob: bytes | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def text_only(self) -> Snapshot:
+        """The same conversation without KV and without token ids: what may be trusted of bytes whose signature
+        failed (each text is tokenized again, without parsing special tokens). ``meta`` is kept as it is:
+        the caller validates it as any client input."""
+        segments = tuple(dataclasses.replace(s, token_ids=None) for s in self.segments)
+        return Snapshot(segments, self.messages, None, self.meta)
+
+    @property
+    def has_token_ids(self) -> bool:
+        return any(s.token_ids is not None for s in self.segments)
 
     def to_bytes(self) -> bytes:
         header = json.dumps({
@@ -110,4 +179,5 @@ class Snapshot:
         return cls.from_bytes(data, source=str(path))
 
 
-__all__ = ["FORMAT", "MAGIC", "Snapshot", "SnapshotError"]
+__all__ = ["FORMAT", "MAGIC", "MIN_SECRET", "SIGNED_MAGIC", "Snapshot", "SnapshotError", "SnapshotSignatureError",
+           "is_signed", "sign", "signed_payload", "unsign"]

@@ -10,12 +10,18 @@ Transplant at position ``p``: the first ``seam`` tokens are decoded fresh in con
 the saved sequence is restored into a scratch sequence (its own cells), the sink and seam cells are
 removed, the rest is shifted by ``p - len(sink)`` (llama.cpp re-rotates the keys with RoPE; values
 carry no position) and copied into the target sequence. Left to right, as llama.cpp requires.
+
+Selective recompute (CacheBlend's, an option: ``SkillLibrary(recompute=fraction)``): at compile time the skill is
+also prefilled cold behind another prefix (:data:`REFERENCE`) and its offsets are ranked by how far their values
+are from that prefill's (:func:`kvagent.kv.state.rank_deviating`); the ranking is kept in the store's sidecar. At
+each transplant the top ``ceil(fraction * len(tokens))`` of them are decoded fresh in context, like the seam.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from kvagent.errors import ContextOverflowError, SkillStoreError
 from kvagent.kv.pool import SequencePool
@@ -37,6 +43,13 @@ class CompiledSkill:
     tokens: tuple[int, ...]
     seam: int
     n_sink: int  # tokens the skill was compiled behind (left out of every transplant)
+    recompute: tuple[int, ...] = ()  # offsets decoded fresh at each transplant, when set (else the library's choice)
+    ranked: tuple[int, ...] = ()  # offsets >= seam by decreasing compile-time deviation (empty: not ranked)
+
+
+# the prefix a skill is prefilled behind at compile time to rank its cells (any text unlike the sink will do)
+REFERENCE = "You are a helpful assistant. Read the material below carefully and use it to answer the user."
+MAX_RECOMPUTE = 0.25  # the largest fraction a library recomputes; the ranking keeps that many offsets
 
 
 class SkillLibrary:
@@ -46,12 +59,19 @@ class SkillLibrary:
     lookup computes the content key from the tokens and asks the store.
     """
 
-    def __init__(self, pool: SequencePool, fingerprint: str, model_name: str, store: SkillStore | None = None) -> None:
+    def __init__(self, pool: SequencePool, fingerprint: str, model_name: str, store: SkillStore | None = None,
+                 recompute: float = 0.0) -> None:
+        """``recompute``: the share of each transplanted skill's positions decoded fresh beyond the seam, the
+        most deviating first (0: none, the default; at most :data:`MAX_RECOMPUTE`)."""
+        if not 0.0 <= recompute <= MAX_RECOMPUTE:
+            raise ValueError(f"recompute fraction {recompute}: use 0 to {MAX_RECOMPUTE}")
+        self.recompute = recompute
         self._pool = pool
         self.fingerprint, self.model_name = fingerprint, model_name
         self.store = store or SkillStore()
         self._by_tokens: dict[tuple[int, ...], CompiledSkill] = {}
         self._missing: set[tuple[int, ...]] = set()  # skill spans already reported as not compiled
+        self._renderer: Renderer | None = None  # of the last compile (the ranking's reference prompt)
 
     def sink(self, renderer: Renderer) -> list[int]:
         """Tokens a skill is compiled behind: what opens every prompt of this rendering.
@@ -77,13 +97,19 @@ class SkillLibrary:
                         version: str = "") -> tuple[CompiledSkill, StoredSkill | None]:
         """Make sure a SKILL ``segment`` (a skill file's, a tool's) is compiled for this model and rendering."""
         name = str(segment.name)
+        self._renderer = renderer
         tokens = renderer.segment_tokens(segment)
         sink = self.sink(renderer)
         key = self.key(sink, tokens)
         skill = CompiledSkill(name, key, tokens, seam, len(sink))
         self._by_tokens[tokens] = skill
         if self.store.has(key):
-            return skill, None
+            entry = self.store.entry(key)
+            if entry is not None and entry.ranked:
+                skill = self._by_tokens[tokens] = replace(skill, ranked=tuple(entry.ranked))
+            elif self.recompute > 0:
+                self.rank(skill, renderer=renderer)
+            return self._by_tokens[tokens], None
         backend = self._pool.backend
         if not backend.capabilities.state_save:
             raise SkillStoreError(f"skill {name!r} cannot be compiled: this backend cannot save a sequence's KV "
@@ -95,7 +121,45 @@ class SkillLibrary:
         entry = self.store.put(key, KVBlob(self.fingerprint, backend.format, full, payload), name=name,
                                version=version, model=self.model_name, n_tokens=len(tokens), seam=seam)
         log.info("compiled skill %s: %d tokens, %d bytes", name, len(tokens), entry.bytes)
+        if self.recompute > 0:
+            skill = self.rank(skill, payload, renderer)
         return skill, entry
+
+    def rank(self, skill: CompiledSkill, payload: bytes | None = None, renderer: Renderer | None = None) -> CompiledSkill:
+        """Rank ``skill``'s offsets from its seam on by decreasing value deviation from a cold prefill of its tokens
+        behind :data:`REFERENCE` (rendered as a system prompt by ``renderer``, else the BOS and the plain text; the
+        renderer of the last compile by default), at the cost of one prefill of the skill; the payload is read
+        from the store unless given. Keeps the top :data:`MAX_RECOMPUTE` share in the store's sidecar and in this
+        library; returns the ranked skill."""
+        from kvagent.kv.state import rank_deviating
+
+        backend = self._pool.backend
+        payload = payload if payload is not None else self.fetch(skill).payload
+        renderer = renderer or self._renderer
+        if renderer is not None:
+            prefix = list(renderer.render([Segment.policy(REFERENCE)]).tokens)
+        else:
+            prefix = [*backend.bos_ids, *backend.tokenize(REFERENCE, special=False)]
+        reference = self._pool.prefill_saved((*prefix, *skill.tokens))
+        order = rank_deviating(payload, skill.n_sink, reference, len(prefix), len(skill.tokens), first=skill.seam)
+        ranked = order[: math.ceil(MAX_RECOMPUTE * len(skill.tokens))]
+        self.store.set_ranked(skill.key, ranked)
+        skill = self._by_tokens[skill.tokens] = replace(skill, ranked=ranked)
+        log.info("ranked skill %s: offsets %s deviate most", skill.name, list(ranked[:8]))
+        return skill
+
+    def chosen(self, skill: CompiledSkill, fraction: float | None = None) -> tuple[int, ...]:
+        """The offsets of ``skill`` decoded fresh at a transplant besides its seam: its own ``recompute`` when set,
+        else the top ``ceil(fraction * len(tokens))`` of its ranking (``fraction``: default this library's),
+        ascending. Empty at fraction 0; a skill not ranked yet is ranked first."""
+        if skill.recompute:
+            return skill.recompute
+        fraction = self.recompute if fraction is None else fraction
+        if fraction <= 0:
+            return ()
+        if not skill.ranked:
+            skill = self.rank(skill)
+        return tuple(sorted(skill.ranked[: math.ceil(fraction * len(skill.tokens))]))
 
     def segment(self, spec: SkillSpec, renderer: Renderer) -> Segment:
         """The SKILL segment for ``spec`` (compiling it first if needed)."""
@@ -119,7 +183,7 @@ class SkillLibrary:
                 log.warning("a skill span of %d tokens is not compiled for %s: it is prefilled; run `kvagent skills "
                             "compile DIR --model %s` to transplant it", len(tokens), self.model_name, self.model_name)
             return None
-        skill = CompiledSkill(entry.name, key, tokens, entry.seam, len(sink))
+        skill = CompiledSkill(entry.name, key, tokens, entry.seam, len(sink), ranked=tuple(entry.ranked))
         self._by_tokens[tokens] = skill
         return skill
 
@@ -135,4 +199,5 @@ class SkillLibrary:
         or foreign blob before anything changes.
         """
         blob = self.fetch(skill)
-        return sequence.place_transplant(blob.payload, skill.tokens, skill.n_sink, skill.seam, rendered)
+        recompute = self.chosen(skill)
+        return sequence.place_transplant(blob.payload, skill.tokens, skill.n_sink, skill.seam, rendered, recompute)

@@ -87,16 +87,16 @@ class SkillSpec(BaseModel):
             raise ValueError(str(exc)) from None
 
     def body(self) -> str:
-        """The text the model sees."""
+        """The text the model sees; a skill with a ``tools`` list has none (its tools are bound, not placed)."""
+        if self.tools:
+            raise SkillFileError(f"skill {self.name!r} declares tools: bind them (ChatKVAgent.bind_tools(spec.toolset()), "
+                                 "session.generate(tools=spec.toolset()) with engine.tool_segments, `/skill` in kvagent "
+                                 "chat) instead of placing it as text")
         if self.tool is not None:
             return f"Tool `{self.tool['name']}`:\n" + json.dumps(self.tool, indent=2, sort_keys=True, ensure_ascii=False)
         return str(self.text).strip()
 
     def segment(self) -> Segment:
-        if self.tools:
-            raise SkillFileError(f"skill {self.name!r} declares tools: bind them (ChatKVAgent.bind_tools(spec.toolset()), "
-                                 "session.generate(tools=spec.toolset()) with engine.tool_segments, `/skill` in kvagent "
-                                 "chat) instead of placing it as text")
         return Segment.skill(self.name, self.body(), id=f"skill-{self.name}", pinned=self.pinned)
 
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from kvagent.errors import KVBlobError, SkillStoreError
 from kvagent.kvblob import KVBlob
-from kvagent.models import cache_dir
+from kvagent.models import cache_dir, private_dir
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvskill"
@@ -45,13 +45,17 @@ class StoredSkill:
     bytes: int
     created: str
     seam: int = 4  # tokens recomputed in context at each transplant (older sidecars: the spec default)
+    ranked: tuple[int, ...] | list[int] = ()  # offsets by decreasing deviation from a cold prefill (selective recompute)
 
 
 class SkillStore:
-    """Compiled skills under ``root`` (default ``cache_dir()/skills``), ``lru_size`` blobs kept in memory."""
+    """Compiled skills under ``root`` (default ``cache_dir()/skills``, checked by ``models.private_dir``: a folder
+    other users can write is refused), ``lru_size`` blobs kept in memory."""
 
     def __init__(self, root: Path | None = None, lru_size: int = 16) -> None:
-        self.root = root or cache_dir() / "skills"
+        if root is None:  # the shared default: refused where another user could put KV bytes there
+            root = private_dir(private_dir(cache_dir()) / "skills", "kvagent's compiled skill folder")
+        self.root = root
         self._lru: OrderedDict[str, KVBlob] = OrderedDict()
         self._lru_size = lru_size
 
@@ -92,6 +96,14 @@ class SkillStore:
             ) from exc
         self._remember(key, blob)
         return blob
+
+    def set_ranked(self, key: str, ranked: tuple[int, ...]) -> None:
+        """Record the compile-time deviation ranking of stored skill ``key`` in its sidecar (no-op when absent)."""
+        entry = self.entry(key)
+        if entry is None:
+            return
+        side = {**entry.__dict__, "ranked": list(ranked)}
+        _atomic_write(self.path(key).with_suffix(".json"), json.dumps(side, indent=1).encode())
 
     def entry(self, key: str) -> StoredSkill | None:
         """The sidecar of ``key`` when its blob is stored (None when absent or unreadable)."""

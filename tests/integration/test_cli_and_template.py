@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -16,17 +18,37 @@ def test_help_lists_commands() -> None:
     assert "demo" in result.output and "models" in result.output
 
 
-def test_demo_compares_each_turn_with_llama_cpp_python() -> None:
-    result = CliRunner().invoke(app, ["demo", "--max-tokens", "8"], env={"COLUMNS": "160"})
+def test_demo_compares_each_turn_with_llama_cpp_python(tmp_path: Path) -> None:
+    import jsonschema
+
+    from kvagent.demo import LOOKUP_ORDER
+
+    out = tmp_path / "demo.json"
+    result = CliRunner().invoke(app, ["demo", "--max-tokens", "8", "--json", str(out)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     ours = [int(n) for n in re.findall(r"kvagent +computed +(\d+) tokens", result.output)]
     theirs = [int(n) for n in re.findall(r"llama-cpp-python computed +(\d+) tokens", result.output)]
-    assert len(ours) == len(theirs) == 5
+    assert len(ours) == len(theirs) == 6
+    rows = json.loads(out.read_text())["rows"]  # the figures a reader quotes are the ones shown
+    assert [r["kvagent"]["computed"] for r in rows] == ours and [r["baseline"]["computed"] for r in rows] == theirs
     assert "transplanted from the compiled skill" in result.output and ours[0] < theirs[0]  # the skill was copied
-    assert ours[2] < 80 < theirs[2]  # the field change: an erratum line vs a rewritten system prompt
+    assert ours[3] < 80 < theirs[3]  # the field change: an erratum line vs a rewritten system prompt
     cells = [int(n) for n in re.findall(r"(\d+) KV cells", result.output)]
     assert max(cells) <= 1024 + 64 + 16  # the eviction budget held (budget + chunk + margin)
     assert "as many" in result.output
+    # the tool turn (turn 2): each side called lookup_order once, with arguments its schema accepts (checked here
+    # with jsonschema, not with the demo's own check); kvagent's tool description was transplanted, not computed
+    calls = re.findall(r"tool call (\w+)\((\{.*?\})\): (valid arguments|arguments not valid); computed (\d+) tokens"
+                       r"[^\n]*?(?:, (\d+) tokens of the tool's description transplanted)?\n", result.output)
+    assert [c[0] for c in calls] == ["lookup_order", "lookup_order"], result.output
+    schema = LOOKUP_ORDER["function"]["parameters"]
+    for name, arguments, shown, _, _ in calls:
+        jsonschema.validate(json.loads(arguments), schema)
+        assert shown == "valid arguments"
+    (_, _, _, our_computed, copied), (_, _, _, _, none_copied) = calls
+    assert int(copied) > int(our_computed) and none_copied == ""
+    turn2 = result.output[result.output.index("turn 2"):result.output.index("turn 3")]
+    assert "llama-cpp-python gets tools=" in turn2 and turn2.count("tool call lookup_order") == 2
 
 
 def test_unknown_model_in_cli_is_a_clear_error() -> None:

@@ -19,9 +19,12 @@ SHIPPED = {s.name: s for s in load_skills([Path(__file__).resolve().parents[2] /
 POLICY = Segment.policy("You are the support agent of Northwind Outdoor. Be brief.")
 QUESTION = Segment.user("Can I return a used stove?")
 # A transplanted skill's KV was computed without the prompt's prefix (here the policy), so it is an
-# approximation. Measured on this suite: SmolLM2 0.968-0.997, Gemma-3 0.990-0.9998 (seam 4); with
-# nothing before the skill but the sink it was compiled behind, 0.998-0.9999 on both.
-FIDELITY = {"smollm2-135m": 0.96, "gemma3-270m": 0.985}
+# approximation. Measured on this suite: SmolLM2 0.950-0.997, Gemma-3 0.990-0.9998 (seam 4); with
+# nothing before the skill but the sink it was compiled behind, 0.998-0.9999 on both. SmolLM2's lowest case
+# (two skills and a field) moves between 0.950 and 0.972 with numerical noise alone: keys re-rotated in the
+# bytes or by llama.cpp's K-shift (1 f16 ulp apart), other free cells in the pool (the same values in another
+# cell order) each move its logits by a cosine of ~0.999 against each other.
+FIDELITY = {"smollm2-135m": 0.94, "gemma3-270m": 0.985}
 
 
 @pytest.fixture()
@@ -200,3 +203,60 @@ def test_transplant_without_a_free_sequence_changes_nothing(library: SkillLibrar
             with pytest.raises(Exception, match="free scratch sequence.*nothing was changed"):
                 s.extend(segment)
             assert s.tokens == tokens and len(s.segments) == 1
+
+
+def test_keys_rotated_in_the_bytes_equal_llama_cpps_k_shift(engine: Engine) -> None:
+    """A transplant moves a saved skill by re-rotating its keys in the bytes (no K-shift left pending, which
+    llama.cpp would apply to the whole buffer at the next decode): the same cells as ``seq_add`` and a decode,
+    keys equal to f16 precision, values untouched, on every layer of every cache (Gemma-3: both)."""
+    from kvagent.kv.rotate import shift_saved
+
+    backend, pool = engine.backend, engine.pool
+    layout = backend.rope_layout()
+    assert layout is not None
+    tokens = backend.tokenize("Returns are free within 30 days of delivery for unused items. " * 6, special=False)
+    n, start, delta = len(tokens), 5, 211
+    with pool.lock, pool.scratch() as a, pool.scratch() as b, pool.scratch() as c:
+        backend.decode(tokens, range(n), [a] * n, [False] * n)
+        payload = backend.seq_save(a)
+        backend.seq_restore(b, payload)
+        backend.seq_add(b, start, -1, delta)
+        backend.decode([tokens[0]], [n], [a], [False])  # applies b's pending K-shift
+        shifted = backend.seq_save(b)
+        backend.seq_restore(c, shift_saved(payload, start, delta, layout))
+        ours = backend.seq_save(c)
+        assert backend.seq_positions(c) == backend.seq_positions(b) == [*range(start), *range(start + delta, n + delta)]
+    theirs_k, ours_k = _keys(shifted, layout), _keys(ours, layout)
+    assert len(theirs_k) == len(ours_k) == sum(len(c) for c in layout.caches)
+    for k1, k2 in zip(theirs_k, ours_k):
+        scale = float(np.abs(k1).max())
+        assert float(np.abs(k1 - k2).max()) <= 2e-3 * scale  # f16 rounding of the same rotation
+
+
+def _keys(data: bytes, layout) -> list[np.ndarray]:
+    """Each layer's keys ``[cells, n_head_kv * head_dim]`` from a saved sequence (the layout of kvagent.kv.rotate)."""
+    import struct
+
+    out, off = [], 8
+    while off < len(data):
+        (n_stream,), off = struct.unpack_from("<I", data, off), off + 4
+        for _ in range(n_stream):
+            (count,), off = struct.unpack_from("<I", data, off), off + 4
+            for _ in range(count):
+                off += 8 + 4 * struct.unpack_from("<iI", data, off)[1]
+            if not count:
+                continue
+            v_trans, n_layer = struct.unpack_from("<II", data, off)
+            off += 8
+            for _ in range(n_layer):
+                (row,) = struct.unpack_from("<Q", data, off + 4)
+                out.append(np.frombuffer(data, np.float16, count * row // 2, off + 12).astype(np.float32))
+                off += 12 + count * row
+            for _ in range(n_layer):
+                if v_trans:
+                    _, size, n_embd = struct.unpack_from("<iII", data, off)
+                    off += 12 + count * n_embd * size
+                else:
+                    (row,) = struct.unpack_from("<Q", data, off + 4)
+                    off += 12 + count * row
+    return out

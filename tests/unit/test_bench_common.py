@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kvagent.bench.common import bootstrap_perplexity_interval, wilson_interval
+from kvagent.bench.common import bootstrap_perplexity_interval, mcnemar_exact, wilson_interval
 
 # (successes, n, low, high): 95% Wilson score intervals. The first three: the closed form at 0/n, p = 1/2 and
 # n/n; the others are the published figures of R. G. Newcombe, "Two-sided confidence intervals for the single
@@ -106,3 +106,21 @@ def test_paired_ratio_interval_resamples_contexts_with_their_reference() -> None
     low, high = paired_ratio_interval(mixed)
     assert low < 1.0 < high  # 3 / 3 overall, but the contexts disagree
     assert all(np.isnan(paired_ratio_interval([([True], [False])])))  # the reference never answers
+
+
+@pytest.mark.parametrize(("b", "c", "p"), [
+    (0, 0, 1.0),      # no discordant pair: nothing to test
+    (3, 3, 1.0),      # balanced
+    (0, 5, 0.0625),   # 2 * (1/2)^5
+    (1, 9, 0.021484375),  # 2 * (1 + 10) / 2^10
+    (6, 0, 0.03125),
+    (10, 20, 0.09873715),  # scipy.stats.binomtest(10, 30).pvalue
+])
+def test_mcnemar_exact_matches_the_binomial_test(b: int, c: int, p: float) -> None:
+    assert mcnemar_exact(b, c) == pytest.approx(p, rel=1e-6)
+    assert mcnemar_exact(c, b) == pytest.approx(p, rel=1e-6)
+
+
+def test_mcnemar_exact_refuses_negative_counts() -> None:
+    with pytest.raises(ValueError):
+        mcnemar_exact(-1, 2)

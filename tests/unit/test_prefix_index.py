@@ -95,12 +95,12 @@ def test_insert_remove(ops: list[tuple[str, int, tuple[int, ...]]], query: tuple
 
 
 def node_count(index: PrefixIndex) -> int:
-    stack, count = [index._root], 0
+    stack, count = list(index._roots.values()), 0
     while stack:
         node = stack.pop()
         count += 1
         stack.extend(node.children.values())
-    return count - 1  # not the root
+    return count - len(index._roots)  # not the roots
 
 
 def test_removal_prunes_every_node() -> None:
@@ -109,12 +109,12 @@ def test_removal_prunes_every_node() -> None:
     for seq in (2, 0, 3, 1):
         index.remove(seq)
     assert node_count(index) == 0 and len(index) == 0
-    assert index._root.children == {}
+    assert index._roots == {}  # an emptied scope is dropped with its root
 
 
 def test_edges_split_where_prefixes_diverge() -> None:
     index = build({0: (1, 2, 3, 4), 1: (1, 2, 5)})
-    (top,) = index._root.children.values()
+    (top,) = index._roots[""].children.values()
     assert top.edge == (1, 2) and top.seqs == {0, 1}
     assert sorted(child.edge for child in top.children.values()) == [(3, 4), (5,)]
     assert index.indexed(0) == (1, 2, 3, 4) and index.indexed(1) == (1, 2, 5) and index.indexed(7) == ()

@@ -17,8 +17,11 @@ SHIPPED = Path(__file__).resolve().parents[2] / "skills"
 def test_shipped_skills_load() -> None:
     specs = load_skills([SHIPPED])
     assert len(specs) >= 4 and {s.kind for s in specs} >= {"rules", "tool", "document"}
-    tool = next(s for s in specs if s.kind == "tool")
+    tool = next(s for s in specs if s.tool is not None)
     assert tool.body() == tool.model_copy().body() and '"name": "lookup_order"' in tool.body()
+    bound = next(s for s in specs if s.tools)
+    with pytest.raises(SkillFileError, match="declares tools: bind them"):
+        bound.body()
 
 
 BAD = [

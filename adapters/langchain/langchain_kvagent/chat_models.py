@@ -12,8 +12,6 @@ one operation (``langchain_kvagent.operations``); the sessions are the chat mode
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Mapping, Sequence
 
@@ -25,7 +23,6 @@ from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_core.tools import BaseTool
 from pydantic import Field, InstanceOf, PrivateAttr, SecretStr, model_validator
 
-from kvagent.aio import AsyncSession
 from kvagent.edits.base import EditReport
 from kvagent.engine import Engine
 from kvagent.errors import EvictionError
@@ -40,9 +37,9 @@ from kvagent.skills.spec import SkillSpec
 
 from langchain_kvagent import memory
 from langchain_kvagent import operations as ops
-from langchain_kvagent import structured
-from langchain_kvagent.convert import (DEFAULT_SESSION, Call, Chunks, chat_result, last_chunk, parse_call,
-                                      to_chat_messages, to_langchain, usage_metadata)
+from langchain_kvagent import streaming, structured
+from langchain_kvagent.convert import (DEFAULT_SESSION, Call, chat_result, parse_call, to_chat_messages,
+                                      to_langchain, usage_metadata)
 from langchain_kvagent.conversations import Conversations
 from langchain_kvagent.registry import Turn
 from langchain_kvagent.skills import find_skill, skill_files
@@ -246,45 +243,18 @@ class ChatKVAgent(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
-        tools = self.conversations.tool_segments(call.tools)
-        entry, chunks = self.conversations.enter(call.key), Chunks(call.tools is not None)
-        try:
-            segments, max_tokens = entry.plan(call.messages, call.max_tokens, tools)
-            with entry.live.stream(max_tokens, segments=segments, **call.options) as stream:
-                for piece in stream:
-                    self._check_deadline(deadline)  # past the deadline: leaving the block rolls the turn back
-                    yield from chunks.feed(piece)
-            yield from chunks.finish()
-            yield last_chunk(self.model, call, stream.result, entry)
-        finally:
-            entry.lock.release()
+        yield from streaming.stream(self.conversations, self.model, parse_call(self, messages, stop, kwargs),
+                                    self.timeout)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        call, deadline = parse_call(self, messages, stop, kwargs), _deadline(self.timeout)
-        tools = await asyncio.to_thread(self.conversations.tool_segments, call.tools)
-        entry, chunks = await self.conversations.aenter(call.key), Chunks(call.tools is not None)
-        try:
-            segments, max_tokens = entry.plan(call.messages, call.max_tokens, tools)
-            async with AsyncSession(entry.live).astream(max_tokens, segments=segments, **call.options) as stream:
-                async for piece in stream:
-                    self._check_deadline(deadline)
-                    for chunk in chunks.feed(piece):
-                        yield chunk
-            for chunk in chunks.finish():
-                yield chunk
-            yield last_chunk(self.model, call, stream.result, entry)
-        finally:
-            entry.lock.release()
+        async for chunk in streaming.astream(self.conversations, self.model, parse_call(self, messages, stop, kwargs),
+                                             self.timeout):
+            yield chunk
 
     def _tools(self, call: Call) -> Callable[[], list[Segment]]:
         return lambda: self.conversations.tool_segments(call.tools)
-
-    def _check_deadline(self, deadline: float | None) -> None:
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(self.conversations.timeout_message())
 
     # -- engines and sessions (``langchain_kvagent.conversations``) ---------------------------------
     def model_post_init(self, context: Any) -> None:
@@ -409,10 +379,6 @@ class ChatKVAgent(BaseChatModel):
 
     async def aload_session(self, path: str | Path, *, session_id: str | None = None) -> None:
         await self.conversations.adrive(session_id, lambda e: ops.load(e, Path(path)))
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return time.monotonic() + timeout if timeout is not None else None
 
 
 __all__ = ["DEFAULT_SESSION", "ChatKVAgent", "to_chat_messages", "to_langchain", "usage_metadata"]

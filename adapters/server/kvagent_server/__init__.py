@@ -16,13 +16,25 @@ if TYPE_CHECKING:
 
 
 def serve(config: ServerConfig, *, log_level: str = "info") -> None:
-    """Run the server with uvicorn until interrupted (the model loads at start-up)."""
+    """Run the server with uvicorn until interrupted (the model loads at start-up); refused at once
+    (``tenants.ConfigError``) for settings that would open it to others without keys, or a bad keys / secret file."""
+    import logging
+
     import uvicorn
 
     from kvagent_server.app import create_app
 
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:    %(name)s: %(message)s"))
+    for name in ("kvagent", "kvagent_server"):  # the server's own lines beside uvicorn's
+        logger = logging.getLogger(name)
+        logger.setLevel(log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "INFO")
+        logger.addHandler(handler)
+        logger.propagate = False
+
+    # no Server header (nothing names the software that answers); a header line beyond 64 KiB is refused
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, server_header=False, h11_max_incomplete_event_size=64 * 1024)
 
 
 def __getattr__(name: str) -> Any:

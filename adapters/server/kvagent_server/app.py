@@ -1,60 +1,77 @@
-"""The FastAPI application: routes, authentication, error mapping and metrics around the session manager.
+"""The FastAPI application: routes, the gate (``kvagent_server.gate``), error mapping and metrics around the session
+manager.
 
 ``create_app(config)`` loads the model when the app starts (its lifespan); ``create_app(config,
 engine=...)`` serves an engine loaded by the caller (tests, embedding) and works without a lifespan
 (``httpx.ASGITransport``). Every refusal is an OpenAI-style error body
 ``{"error": {"message", "type", "param", "code"}}`` with its status: 400 malformed JSON, 401 missing or
-wrong key, 404 unknown model / session / skill, 409 session id taken, 413 prompt too long, 422 a bad
-field (named), 503 no capacity (with ``Retry-After``).
+wrong key, 403 a host, origin or route this server does not serve to the caller, 404 unknown model / session /
+skill (another tenant's session is unknown), 409 session id taken, 413 a body or prompt too large, 415 a body that
+is not JSON (or not bytes, on restore), 422 a bad field (named), 429 a tenant's quota (with ``Retry-After``), 503 no
+capacity (with ``Retry-After``). A client's mistake is logged at INFO at most, never with a traceback; a 500 is a
+fault of the server's own, logged at ERROR with its traceback.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import shutil
 import tempfile
-import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
-from fastapi import FastAPI, Path as PathParam, Request
+from fastapi import FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvagent.aio import AsyncEngine
 from kvagent.errors import (ChatTemplateError, ContextOverflowError, EvictionError, FieldValueError, KVAgentError,
-                            KVBlobError, KVCacheFullError, SegmentOrderError, SessionClosedError, SkillFileError,
-                            ToolChoiceError, ToolSpecError)
+                            KVBlobError, KVCacheFullError, MemoryEditError, SegmentOrderError, SessionClosedError,
+                            SkillFileError, ToolChoiceError, ToolSpecError)
+from kvagent.models import private_dir
 from kvagent.scheduler import EngineClosedError
 
 from kvagent_server import chat, sessions_api
-from kvagent_server.config import ServerConfig
-from kvagent_server.errors import Busy, ServerError, error_body
+from kvagent_server.config import ServerConfig, is_loopback
+from kvagent_server.errors import ServerError, error_body
+from kvagent_server.gate import Gate
 from kvagent_server.metrics import Metrics
-from kvagent_server.schemas import SESSION_ID, ChatRequest, FieldsSet, SessionCreate, SkillInclude
+from kvagent_server.schemas import SESSION_ID, ChatRequest, FieldsSet, MemoryEditIn, SessionCreate, SkillInclude
 from kvagent_server.state import ServerState
+from kvagent_server.tenants import ConfigError, Tenant, Tenants, load_secret
 
 log = logging.getLogger(__name__)
 UNPROCESSABLE = (FieldValueError, SegmentOrderError, EvictionError, SkillFileError, ChatTemplateError, KVBlobError,
-                 ToolSpecError, ToolChoiceError)
+                 ToolSpecError, ToolChoiceError, MemoryEditError)
+Kind = Literal["session", "prompt_cache_key", "user"]
+_RESTORE_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {
+    "schema": {"type": "string", "format": "binary"}}}}}
+
+
+def check_start(config: ServerConfig) -> None:
+    """Refuse, before anything loads, a server that would be open to others without keys."""
+    if not config.authenticated and not is_loopback(config.host):
+        raise ConfigError(f"--host {config.host} serves other machines, and this server has no keys: give it "
+                          "--keys FILE (tenants with hashed keys) or --api-key, or listen on 127.0.0.1")
 
 
 def create_app(config: ServerConfig | None = None, *, engine: AsyncEngine | None = None) -> FastAPI:
-    """The server as an ASGI app (see the module docstring)."""
+    """The server as an ASGI app (see the module docstring); :class:`ConfigError` for settings it cannot start with."""
     config = config or ServerConfig()
+    check_start(config)
+    tenants = Tenants(config)  # ConfigError naming the keys file
+    secret = load_secret(config.secret_file)
     metrics = Metrics()
     holder: dict[str, Any] = {}
 
     def start(loaded: AsyncEngine) -> ServerState:
-        park = config.park_dir or Path(tempfile.mkdtemp(prefix="kvagent-parked-"))
-        park.mkdir(parents=True, exist_ok=True)
+        park = park_folder(config.park_dir)
         holder["park_tmp"] = config.park_dir is None
         holder["park"] = park
-        state = ServerState(config, loaded, metrics, park)
+        state = ServerState(config, loaded, metrics, park, tenants, secret)
         app.state.kv = state
         return state
 
@@ -81,17 +98,36 @@ def create_app(config: ServerConfig | None = None, *, engine: AsyncEngine | None
     if engine is not None:
         start(engine)
     _routes(app)
-    _errors(app, metrics)
-    app.add_middleware(_Gate, api_key=config.api_key, metrics=metrics)  # type: ignore[arg-type]
+    _errors(app)
+    app.add_middleware(Gate, config=config, tenants=tenants, metrics=metrics, route=_route)  # type: ignore[arg-type]
     return app
+
+
+def park_folder(given: Path | None) -> Path:
+    """Where parked KV goes: a fresh temporary folder (0700), or ``given``, made 0700 and refused when another user
+    could write it (``kvagent.models.private_dir``)."""
+    if given is None:
+        return Path(tempfile.mkdtemp(prefix="kvagent-parked-"))
+    given.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        given.chmod(0o700)
+    except OSError as exc:
+        raise ConfigError(f"--park-dir {given}: cannot make it private ({exc.strerror})") from None
+    return private_dir(given, "--park-dir")
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.kv  # type: ignore[no-any-return]
 
 
+def _tenant(request: Request) -> Tenant:
+    return request.state.tenant  # type: ignore[no-any-return]
+
+
 def _routes(app: FastAPI) -> None:
     session_id = PathParam(pattern=SESSION_ID)
+    kind_query = Query("session", description="the kind of session: made by POST /v1/sessions (session), or keyed "
+                                              "by chat requests' prompt_cache_key or user")
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict[str, str]:
@@ -109,49 +145,81 @@ def _routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        return await chat.complete(_state(request), body, request)
+        return await chat.complete(_state(request), _tenant(request), body, request)
 
     @app.post("/v1/sessions", status_code=201)
     async def create_session(body: SessionCreate, request: Request) -> dict[str, Any]:
-        return await sessions_api.create(_state(request), body, body.id or f"sess-{uuid.uuid4().hex[:20]}")
+        return await sessions_api.create(_state(request), _tenant(request), body,
+                                         body.id or f"sess-{uuid.uuid4().hex[:20]}")
 
     @app.get("/v1/sessions")
     async def list_sessions(request: Request) -> dict[str, Any]:
-        return sessions_api.listing(_state(request))
+        return sessions_api.listing(_state(request), _tenant(request))
 
     @app.get("/v1/sessions/{sid}")
-    async def read_session(request: Request, sid: str = session_id) -> dict[str, Any]:
-        state = _state(request)
-        return sessions_api.view(state, state.sessions.get(sid))
+    async def read_session(request: Request, sid: str = session_id, kind: Kind = kind_query) -> dict[str, Any]:
+        return await sessions_api.read(_state(request), _tenant(request), sid, kind)
 
     @app.post("/v1/sessions/{sid}/fields")
-    async def set_fields(body: FieldsSet, request: Request, sid: str = session_id) -> dict[str, Any]:
-        return await sessions_api.set_fields(_state(request), sid, body)
+    async def set_fields(body: FieldsSet, request: Request, sid: str = session_id,
+                         kind: Kind = kind_query) -> dict[str, Any]:
+        return await sessions_api.set_fields(_state(request), _tenant(request), sid, kind, body)
+
+    @app.get("/v1/sessions/{sid}/memory")
+    async def read_memory(request: Request, sid: str = session_id, kind: Kind = kind_query) -> dict[str, Any]:
+        return await sessions_api.read_memory(_state(request), _tenant(request), sid, kind)
+
+    @app.post("/v1/sessions/{sid}/memory")
+    async def edit_memory(body: MemoryEditIn, request: Request, sid: str = session_id,
+                          kind: Kind = kind_query) -> dict[str, Any]:
+        return await sessions_api.edit_memory(_state(request), _tenant(request), sid, kind, body)
 
     @app.post("/v1/sessions/{sid}/skills")
-    async def include_skill(body: SkillInclude, request: Request, sid: str = session_id) -> dict[str, Any]:
-        return await sessions_api.include(_state(request), sid, body.name)
+    async def include_skill(body: SkillInclude, request: Request, sid: str = session_id,
+                            kind: Kind = kind_query) -> dict[str, Any]:
+        return await sessions_api.include(_state(request), _tenant(request), sid, kind, body.name)
 
-    @app.post("/v1/sessions/{sid}/save")
-    async def save_session(request: Request, sid: str = session_id) -> Response:
-        data = await sessions_api.save(_state(request), sid)
+    @app.post("/v1/sessions/{sid}/save", response_class=Response,
+              responses={200: {"content": {"application/octet-stream": {}}}})
+    async def save_session(request: Request, sid: str = session_id, kind: Kind = kind_query) -> Response:
+        data = await sessions_api.save(_state(request), _tenant(request), sid, kind)
         return Response(data, media_type="application/octet-stream")
 
-    @app.post("/v1/sessions/{sid}/restore", status_code=201)
+    @app.post("/v1/sessions/{sid}/restore", status_code=201, openapi_extra=_RESTORE_BODY)
     async def restore_session(request: Request, sid: str = session_id) -> dict[str, Any]:
-        return await sessions_api.restore(_state(request), sid, await request.body())
+        return await sessions_api.restore(_state(request), _tenant(request), sid, await request.body())
 
     @app.delete("/v1/sessions/{sid}", status_code=204)
-    async def delete_session(request: Request, sid: str = session_id) -> Response:
-        await _state(request).sessions.delete(sid)
+    async def delete_session(request: Request, sid: str = session_id, kind: Kind = kind_query) -> Response:
+        await _state(request).sessions.delete(_tenant(request), sid, kind)
         return Response(status_code=204)
 
 
-def _errors(app: FastAPI, metrics: Metrics) -> None:
+def _message(e: dict[str, Any], param: str) -> str:
+    kind = e.get("type")
+    if kind == "extra_forbidden":
+        return f"{param}: not supported by kvagent serve (refused, never ignored): leave it out"
+    if kind == "none_required":
+        return f"{param}: not supported by kvagent serve: leave it out or send null"
+    if param == "seed" and kind == "greater_than_equal":
+        return "seed: a non-negative integer (leave seed out for a random one; -1 is llama.cpp's 'random', not OpenAI's)"
+    return f"{param}: {e.get('msg', 'invalid')}"
+
+
+def _errors(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Busy) else None
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status, headers=headers)
+        log.info("refused (%d): %s", exc.status, exc.message)
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = {404: f"no route {request.url.path[:200]}: see GET /openapi.json",
+                   405: f"{request.method} is not allowed on {request.url.path[:200]}"}.get(exc.status_code,
+                                                                                            str(exc.detail))
+        return JSONResponse(error_body(message, kind, None, str(exc.status_code)), exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -164,11 +232,11 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
             return JSONResponse(error_body(message, "invalid_request_error", None, "json_invalid"), 400)
         parts = []
         first_param = None
-        for e in errors:
+        for e in errors[:8]:
             loc = [str(x) for x in e.get("loc", ()) if x not in ("body", "path", "query")]
             param = ".".join(loc) or "body"
             first_param = first_param or param
-            parts.append(f"{param}: {e.get('msg', 'invalid')}")
+            parts.append(_message(e, param))
         return JSONResponse(error_body("; ".join(parts), "invalid_request_error", first_param, "invalid_value"), 422)
 
     @app.exception_handler(KVAgentError)
@@ -185,51 +253,14 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
             retry = _state(request).config.retry_after_s
             return JSONResponse(error_body(message, "server_busy", None, type(exc).__name__), 503,
                                 headers={"Retry-After": str(retry)})
-        log.error("request failed: %s", message)
+        log.error("request failed: %s", message, exc_info=exc)
         return JSONResponse(error_body(message, "server_error", None, type(exc).__name__), 500)
 
-
-class _Gate:
-    """Pure ASGI middleware: the bearer key (all but ``/health``), response codes and request time.
-
-    (Not ``BaseHTTPMiddleware``: it would hide client disconnects from the routes, which cancel
-    generations on them.)"""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
-        self.app, self.api_key, self.metrics = app, api_key, metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        start = time.perf_counter()
-        if self.api_key and path != "/health" and not self._authorised(scope):
-            response = JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                               "authentication_error", None, "invalid_api_key"), 401,
-                                    headers={"WWW-Authenticate": "Bearer"})
-            self.metrics.responses.labels("401").inc()
-            await response(scope, receive, send)
-            return
-        status = {"code": 500}
-
-        async def sending(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            self.metrics.responses.labels(str(status["code"])).inc()
-            self.metrics.request_time.labels(_route(path)).observe(time.perf_counter() - start)
-
-    def _authorised(self, scope: Scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())  # type: ignore[union-attr]
-        return False
+    @app.exception_handler(Exception)
+    async def fault(request: Request, exc: Exception) -> JSONResponse:
+        log.error("request to %s failed", request.url.path, exc_info=exc)
+        return JSONResponse(error_body("the server failed on this request: retry, and report it if it happens again",
+                                       "server_error", None, "internal_error"), 500)
 
 
 def _route(path: str) -> str:
@@ -242,4 +273,4 @@ def _route(path: str) -> str:
 
 
 _ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/sessions", "/v1/sessions/{id}", "/metrics", "/health",
-                     *(f"/v1/sessions/{{id}}/{verb}" for verb in ("fields", "skills", "save", "restore"))})
+                     *(f"/v1/sessions/{{id}}/{verb}" for verb in ("fields", "memory", "skills", "save", "restore"))})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -35,10 +36,12 @@ from kvagent.generation import Generation
 from kvagent.messages import ChatMessage, is_message_segment
 from kvagent.segments import Segment
 
-from kvagent_server.errors import InvalidRequest, NotFound
-from kvagent_server.schemas import ChatRequest
+from kvagent_server.errors import InvalidRequest, NotFound, ServerError
+from kvagent_server.schemas import SESSION_ID, ChatRequest
+from kvagent_server.sessions import SESSION, Entry
+from kvagent_server.sessions_api import check_chars
 from kvagent_server.state import ServerState
-from kvagent_server.sessions import Entry
+from kvagent_server.tenants import Tenant
 from kvagent_server.tools import NO_TOOLS, StreamedCalls, TurnTools, chat_messages, logged_reply, reply_message, turn_tools
 
 
@@ -63,16 +66,29 @@ class Turn:
         return {**self.sampling, **self.tools.options}
 
 
-def session_key(body: ChatRequest, request: Request) -> str | None:
-    """``X-KVAgent-Session`` header, else ``prompt_cache_key``, else ``user``; None: a temporary session."""
+def session_key(body: ChatRequest, request: Request) -> tuple[str, str | None]:
+    """``(kind, key)`` of the request's session: the ``X-KVAgent-Session`` header names a session made with
+    ``POST /v1/sessions`` (kind ``session``: it must exist); else ``prompt_cache_key``, else ``user`` key a chat
+    session of that kind, made on first use. ``(kind, None)``: a temporary session. The kinds never meet, so a
+    ``POST /v1/sessions`` id can never be the session another client's ``prompt_cache_key`` lands in."""
     header = request.headers.get("x-kvagent-session")
-    if header is not None and not (0 < len(header) <= 256):
-        raise InvalidRequest("the X-KVAgent-Session header must hold 1-256 characters", param="X-KVAgent-Session")
-    return header or body.prompt_cache_key or body.user or None
+    if header is not None:
+        if not re.match(SESSION_ID, header):
+            raise InvalidRequest("the X-KVAgent-Session header names a session made with POST /v1/sessions: 1-128 "
+                                 "letters, digits and . _ : @ -", param="X-KVAgent-Session")
+        return SESSION, header
+    if body.prompt_cache_key:
+        return "prompt_cache_key", body.prompt_cache_key
+    if body.user:
+        return "user", body.user
+    return SESSION, None
 
 
 def check_request(state: ServerState, body: ChatRequest) -> list[ChatMessage]:
-    """The messages as kvagent's, after refusing what this server cannot do (nothing has changed yet)."""
+    """The messages as kvagent's, after refusing what this server cannot do (nothing has changed yet): the model,
+    ``n``, logprobs, ``max_tokens`` past the cap, stop strings, message count and a prompt of more characters than
+    the context could ever hold (413, before tokenizing)."""
+    config = state.config
     if body.model not in state.model_ids:
         raise NotFound(f"unknown model {body.model!r}: this server runs {state.model_id!r} (GET /v1/models)",
                        param="model", code="model_not_found")
@@ -80,8 +96,26 @@ def check_request(state: ServerState, body: ChatRequest) -> list[ChatMessage]:
         raise InvalidRequest(f"n: only 1 choice per request is supported, got {body.n}", param="n")
     if body.logprobs:
         raise InvalidRequest("logprobs: not supported by kvagent serve", param="logprobs")
-    if len(body.stops()) > 4:
-        raise InvalidRequest("stop: at most 4 stop strings", param="stop")
+    for name in ("max_tokens", "max_completion_tokens"):
+        wanted = getattr(body, name)
+        if wanted is not None and wanted > config.max_tokens:
+            raise InvalidRequest(f"{name}: {wanted} is more than this server's cap of {config.max_tokens} "
+                                 "(--max-tokens): ask for fewer", param=name, code="max_tokens_too_large")
+    stops = body.stops()
+    if len(stops) > config.max_stop:
+        raise InvalidRequest(f"stop: at most {config.max_stop} stop strings", param="stop")
+    for i, stop in enumerate(stops):
+        if not 0 < len(stop) <= config.max_stop_chars:
+            raise InvalidRequest(f"stop.{i}: a stop string holds 1-{config.max_stop_chars} characters",
+                                 param=f"stop.{i}")
+    if len(body.messages) > config.max_messages:
+        raise InvalidRequest(f"messages: {len(body.messages)} messages, at most {config.max_messages} "
+                             "(--max-messages)", param="messages")
+    texts = [m.text() or "" for m in body.messages]
+    texts += [c.function.arguments for m in body.messages for c in m.tool_calls or ()]
+    if body.tools:
+        texts.append(json.dumps(body.tools, ensure_ascii=False))
+    check_chars(state, texts, "the prompt")
     return chat_messages(body.messages)
 
 
@@ -132,14 +166,16 @@ def record(state: ServerState, entry: Entry, turn: Turn, gen: Generation, call_i
         entry.evicted_seen = evicted
 
 
-async def complete(state: ServerState, body: ChatRequest, request: Request) -> Response:
+async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, request: Request) -> Response:
     messages = check_request(state, body)
-    tools = await turn_tools(state.tools, body)  # checked, and compiled on first sight, before taking the session
-    key = session_key(body, request)
+    # checked, and compiled on first sight (in the tenant's own cache), before taking the session
+    tools = await turn_tools(state.tools(tenant), body)
+    kind, key = session_key(body, request)
     stack = AsyncExitStack()
-    entry = await stack.enter_async_context(state.sessions.use(key))
+    entry = await stack.enter_async_context(state.sessions.use(tenant, key, kind, implicit=kind != SESSION))
     try:
-        turn, cells = fit(state, entry, messages, body, tools)
+        # rendering tokenizes the whole prompt: off the event loop
+        turn, cells = await asyncio.to_thread(fit, state, entry, messages, body, tools)
         if body.stream:
             await state.sessions.make_room(entry, cells)
     except BaseException:
@@ -211,6 +247,10 @@ class _TurnStream(EventSourceResponse):
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, str]:
         return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra)
 
+    @staticmethod
+    def _error(message: str, kind: str, code: str) -> dict[str, str]:
+        return {"data": json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})}
+
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, str]:
         body = {"id": self.ident, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.state.model_id, "system_fingerprint": self.state.fingerprint, "choices": choices, **extra}
@@ -227,9 +267,16 @@ class _TurnStream(EventSourceResponse):
                 async for piece in stream:
                     for delta in (calls.feed(piece) if calls is not None else [{"content": piece}]):
                         yield self._chunk(delta)
-        except KVAgentError as exc:  # the turn was rolled back; the status line is already sent
-            yield {"data": json.dumps({"error": {"message": str(exc), "type": type(exc).__name__, "param": None,
-                                                 "code": None}})}
+        except (KVAgentError, ServerError) as exc:  # the turn was rolled back; the status line is already sent
+            log.info("stream for session %r ended early: %s", self.entry.key, exc)
+            yield self._error(str(exc), "invalid_request_error" if isinstance(exc, ServerError) else "server_error",
+                              type(exc).__name__)
+            yield {"data": "[DONE]"}
+            return
+        except Exception:  # a fault of the server's own: logged with its traceback, the client told in OpenAI's shape
+            log.exception("stream for session %r failed", self.entry.key)
+            yield self._error("the server failed while generating (the turn was rolled back): retry, and report it "
+                              "if it happens again", "server_error", "internal_error")
             yield {"data": "[DONE]"}
             return
         gen = stream.result

@@ -15,13 +15,27 @@ from kvagent.cli.common import command_line, console, print_table
 
 
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default; another one needs --keys "
+                             "or --api-key)."),
     port: int = typer.Option(8000, help="Port to listen on."),
     model: str = typer.Option("smollm2-135m", help="Registry name or path of a local .gguf file."),
     n_ctx: int = typer.Option(16384, help="KV pool shared by all live sessions (tokens)."),
     n_seq_max: int = typer.Option(32, help="Sessions held live at once; idle ones beyond are parked."),
     api_key: str = typer.Option(None, envvar="KVAGENT_API_KEY", help="Require 'Authorization: Bearer KEY' "
-                                "(or set KVAGENT_API_KEY, which keeps the key out of the process list)."),
+                                "(or set KVAGENT_API_KEY, which keeps the key out of the process list): one tenant."),
+    keys: Path = typer.Option(None, "--keys", help="JSON file of tenants: hashed API keys and quotas "
+                              "(docs/server.md, Tenants)."),
+    secret_file: Path = typer.Option(None, help="Secret that signs saved sessions (created, mode 0600, when "
+                                     "missing); default: a new secret per process."),
+    restore_unsigned: str = typer.Option("refuse", help="A restore whose signature fails: refuse, or text (its "
+                                         "texts only, no KV, no token ids)."),
+    allow_origin: list[str] = typer.Option([], "--allow-origin", help="A browser origin allowed to call "
+                                           "(repeatable); any other Origin is refused."),
+    max_tokens: int = typer.Option(4096, help="Largest max_tokens a request may ask."),
+    max_body_kb: int = typer.Option(4096, help="Largest JSON body (KiB)."),
+    max_sessions: int = typer.Option(1024, help="Sessions per tenant (a keys file may set its own)."),
+    max_in_flight: int = typer.Option(64, help="Requests per tenant at once (a keys file may set its own)."),
+    max_parked_mb: int = typer.Option(8192, help="Parked KV per tenant on disk, MiB (a keys file may set its own)."),
     skills: Path = typer.Option(None, "--skills", help="Folder of skill files sessions may include by name."),
     threads: int = typer.Option(0, help="llama.cpp threads (0 = all cores)."),
     flash_attn: bool = typer.Option(True, "--flash-attn/--no-flash-attn", help="Flash attention (on: many "
@@ -30,12 +44,28 @@ def serve(
     log_level: str = typer.Option("info", help="uvicorn's log level."),
 ) -> None:
     """Serve OpenAI-compatible chat completions whose sessions keep their KV cache alive."""
+    from pydantic import ValidationError
+
     from kvagent_server import ServerConfig
     from kvagent_server import serve as run
+    from kvagent_server.tenants import ConfigError
 
-    config = ServerConfig(model=model, host=host, port=port, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads,
-                          flash_attn=flash_attn, api_key=api_key or None, skills_dir=skills, park_dir=park_dir)
-    run(config, log_level=log_level)
+    try:
+        config = ServerConfig(model=model, host=host, port=port, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads,
+                              flash_attn=flash_attn, api_key=api_key, keys_file=keys, secret_file=secret_file,
+                              restore_unsigned=restore_unsigned, allowed_origins=tuple(allow_origin),
+                              max_tokens=max_tokens, max_body_kb=max_body_kb, max_sessions=max_sessions,
+                              max_in_flight=max_in_flight, max_parked_mb=max_parked_mb, skills_dir=skills,
+                              park_dir=park_dir)
+        run(config, log_level=log_level)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}"
+                             for e in exc.errors(include_input=False))
+        console.print(f"[red]error:[/] {problems}")
+        raise typer.Exit(2) from None
+    except ConfigError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
 
 
 def bench_load(

@@ -1,14 +1,36 @@
-"""The server's settings (``kvagent serve`` options), validated at the edge; unknown keys are refused."""
+"""The server's settings (``kvagent serve`` options), validated at the edge; unknown keys are refused.
+
+Who may call (:mod:`kvagent_server.tenants`): no key at all (one local user: loopback clients and ``Host`` names
+only, and a non-loopback ``host`` is refused at start), one ``api_key`` (one tenant, ``default``), or a ``keys_file``
+of hashed keys mapped to tenants with quotas. What one request may cost is bounded by the ``max_*`` settings, every
+one checked before any tokenizing or state change (docs/server.md, "Limits").
+"""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address or a client's address) is this machine only."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ServerConfig(BaseModel):
-    """How ``kvagent serve`` runs: the model and its KV pool, who may call, where idle sessions park."""
+    """How ``kvagent serve`` runs: the model and its KV pool, who may call, where idle sessions park, and the
+    limits on what one request may cost."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -26,17 +48,92 @@ class ServerConfig(BaseModel):
     """On by default here: in one pool of many sessions every token attends over the whole pool, and
     flash attention skips the other sessions' masked cells (prefill beside five live sessions: 4-7 s
     instead of 6-18 s per 1.3k tokens on 2 cores)."""
-    api_key: str | None = None
-    """When set, every request but ``GET /health`` needs ``Authorization: Bearer <key>``."""
+
+    # -- who may call -------------------------------------------------------------------------------
+    api_key: SecretStr | None = None
+    """One key for one tenant (``default``): every request but ``GET /health`` needs ``Authorization: Bearer <key>``.
+    An empty key is refused (it is not "no auth")."""
+    keys_file: Path | None = None
+    """A JSON file of tenants, each with the sha256 of its keys and its quotas (``kvagent_server.tenants``)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins (``https://app.example``) allowed besides the server's own; any other ``Origin`` is refused."""
+    secret_file: Path | None = None
+    """The secret saved sessions are signed with (HMAC-SHA256): read from this file, or created there (32 random
+    bytes, mode 0600) when it does not exist, so snapshots survive restarts. None: a secret per process."""
+    restore_unsigned: Literal["refuse", "text"] = "refuse"
+    """A restore whose signature fails: ``refuse`` (422), or ``text``: its texts are kept without KV and without
+    token ids, tokenized and prefilled again."""
+
+    # -- where sessions live ------------------------------------------------------------------------
     skills_dir: Path | None = None
     """Skill files (``*.yaml``) sessions may include by name; compiled on first use."""
     park_dir: Path | None = None
-    """Where parked sessions' KV is written (default: a temporary folder removed at shutdown)."""
+    """Where parked sessions' KV is written (default: a temporary folder removed at shutdown); made mode 0700,
+    refused when other users can write it; each file 0600."""
     max_parked: int = Field(1024, ge=0)
     """Parked sessions kept; beyond, the least recently used *implicit* ones (keyed chat sessions) are
     forgotten: their clients resend the history, which rebuilds them. Sessions made with
     ``POST /v1/sessions`` are never forgotten."""
+    min_free_disk_mb: int = Field(256, ge=0)
+    """Parking writes no KV file when the park folder's disk would keep less free space than this: the session
+    keeps its segments and is prefilled again."""
+
+    # -- per tenant (defaults; a keys file may set its own per tenant) --------------------------------
+    max_sessions: int = Field(1024, ge=1)
+    """Sessions one tenant keeps (made with ``POST /v1/sessions`` or keyed by chat requests). Beyond, a new
+    chat key forgets the tenant's least recently used idle chat session; a new ``POST /v1/sessions`` is a 429."""
+    max_parked_mb: int = Field(8192, ge=0)
+    """Parked KV one tenant may keep on disk; beyond, its sessions park without KV (prefilled again)."""
+    max_in_flight: int = Field(64, ge=1)
+    """Requests of one tenant served at once; beyond, 429 with ``Retry-After``."""
+
+    # -- per request --------------------------------------------------------------------------------
+    max_body_kb: int = Field(4096, ge=1)
+    """Largest JSON body (413 beyond, before it is parsed)."""
+    max_snapshot_mb: int = Field(1024, ge=1)
+    """Largest body of ``POST /v1/sessions/{id}/restore``."""
+    max_json_depth: int = Field(48, ge=4, le=512)
+    """Deepest nesting of a JSON body (arrays and objects); deeper is a 422 before it is parsed."""
+    max_chars_per_token: int = Field(32, ge=1)
+    """A prompt of more characters than ``n_ctx * max_chars_per_token`` could never fit: refused (413) before it
+    is tokenized."""
+    max_tokens: int = Field(4096, ge=1)
+    """Largest ``max_tokens`` / ``max_completion_tokens`` a request may ask (422 beyond, naming this setting);
+    the cells a request reserves beyond its prompt, so one request parks at most that much of others."""
     default_max_tokens: int = Field(512, ge=1)
     """Reply length when a request gives neither ``max_tokens`` nor ``max_completion_tokens``."""
+    max_stop: int = Field(4, ge=0)
+    max_stop_chars: int = Field(256, ge=1)
+    """Stop strings of a request, and the characters of each."""
+    max_messages: int = Field(2048, ge=1)
+    """Messages of one request (and so of one session's log)."""
+    max_fields: int = Field(64, ge=0)
+    """Fields one session declares; field values are text of at most ``max_field_chars``."""
+    max_field_chars: int = Field(4096, ge=1)
+    max_errata: int = Field(32, ge=1)
+    """Errata a session keeps; one more folds them back into their fields (``Session.compact``)."""
     retry_after_s: int = Field(1, ge=1)
-    """``Retry-After`` of a 503 (every sequence or KV cell busy, nothing idle to park)."""
+    """``Retry-After`` of a 503 (every sequence or KV cell busy, nothing idle to park) and of a 429."""
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("the API key is empty: give a key (or no --api-key at all for a local, loopback-only "
+                             "server)")
+        return key
+
+    @model_validator(mode="after")
+    def _one_way_to_authenticate(self) -> ServerConfig:
+        if self.api_key is not None and self.keys_file is not None:
+            raise ValueError("give either --api-key or --keys, not both (put the key in the keys file as a tenant)")
+        return self
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether callers present keys (``api_key`` or ``keys_file``)."""
+        return self.api_key is not None or self.keys_file is not None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.n_ctx * self.max_chars_per_token

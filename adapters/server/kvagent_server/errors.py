@@ -1,4 +1,5 @@
-"""The server's refusals, each with its HTTP status; raised before any session or KV changes."""
+"""The server's refusals, each with its HTTP status and OpenAI's error shape; raised before any session or KV
+changes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ class ServerError(Exception):
 
     status = 400
     kind = "invalid_request_error"
+
+    headers: dict[str, str] | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -38,6 +41,30 @@ class Conflict(ServerError):
     status = 409
 
 
+class TooLarge(ServerError):
+    """A prompt, body or snapshot beyond what this server takes (413)."""
+
+    status = 413
+
+
+class Forbidden(ServerError):
+    """Something this server's settings do not allow (403)."""
+
+    status = 403
+    kind = "permission_error"
+
+
+class Quota(ServerError):
+    """A tenant's quota (sessions, requests in flight) is used up (429, with ``Retry-After``)."""
+
+    status = 429
+    kind = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int, *, param: str | None = None) -> None:
+        super().__init__(message, param=param, code="quota_exceeded")
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
 class Busy(ServerError):
     """Every sequence or KV cell is held by a session that is working and none is idle to park (503);
     the response carries ``Retry-After``."""
@@ -48,3 +75,4 @@ class Busy(ServerError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message, code="no_capacity")
         self.retry_after_s = retry_after_s
+        self.headers = {"Retry-After": str(retry_after_s)}

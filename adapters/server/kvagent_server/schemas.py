@@ -1,8 +1,11 @@
 """Request bodies (pydantic): what ``/v1/chat/completions`` and ``/v1/sessions`` accept.
 
-Chat requests follow OpenAI's chat completions API, tool calling and structured output included; fields the
-server does not use are ignored, fields it cannot honour (``n > 1``, logprobs, tools that are not functions) are
-refused with 422 naming them.
+Chat requests follow OpenAI's chat completions API, tool calling and structured output included. An option the
+server cannot honour is refused with 422 naming it, never ignored: ``n > 1``, ``logprobs``, ``logit_bias``,
+``functions`` / ``function_call``, penalties other than 0, audio, ... (any field this model does not declare).
+A few fields that change nothing here are accepted as OpenAI's clients send them (``metadata``, ``store: false``,
+``service_tier: auto``, ``safety_identifier``). Limits that depend on the server's settings (``max_tokens``, stop
+strings, messages, fields) are checked by the routes, naming the setting.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class ToolCallIn(BaseModel):
     function: FunctionCallIn
 
 
+_NULL_ONLY = "must be null or absent: kvagent serve does not support it"
+
+
 class MessageIn(BaseModel):
     """One chat message (``developer`` is read as ``system``). An assistant message may carry ``tool_calls``
     (its ``content`` then may be null); a ``tool`` message answers the call ``tool_call_id`` (the tool's name is
@@ -56,6 +62,11 @@ class MessageIn(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = Field(None, max_length=256)
+    function_call: None = Field(None, description=_NULL_ONLY)
+    """OpenAI's deprecated single call: send ``tool_calls``."""
+    audio: None = Field(None, description=_NULL_ONLY)
+    refusal: str | None = None
+    """As OpenAI's clients echo it back (ignored)."""
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
@@ -104,16 +115,17 @@ class ChatRequest(BaseModel):
     that allows another call makes them repeat the same call until ``max_tokens``; send true to allow several.
     ``response_format``: ``text``, ``json_object`` or ``json_schema`` (the reply is held to the schema)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str = Field(max_length=512)
     messages: list[MessageIn] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    """A non-negative seed (llama.cpp's ``-1`` for "random" is refused: leave ``seed`` out for fresh entropy)."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -127,6 +139,15 @@ class ChatRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
+    presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    """Only 0 (no penalty): kvagent's sampler has none."""
+    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    """Only 0 (no penalty)."""
+    # accepted as OpenAI's clients send them; they change nothing here
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = Field(None, max_length=256)
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -139,9 +160,9 @@ class EvictionIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: str = "window"
-    budget: int = Field(1024, ge=2)
-    chunk: int = Field(64, ge=1)
+    policy: str = Field("window", max_length=64)
+    budget: int = Field(1024, ge=2, le=1 << 24)
+    chunk: int = Field(64, ge=1, le=1 << 24)
 
 
 _TYPES = {bool: "bool", int: "int", float: "float"}
@@ -154,6 +175,30 @@ def _declarations(value: Any) -> Any:
     return value
 
 
+class MemoryBlockIn(BaseModel):
+    """A memory block (``kvagent.memory.MemoryBlock``, Letta's): ``limit`` in characters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    value: str = ""
+    description: str = Field("", max_length=1000)
+    limit: int = Field(5000, ge=1)
+    read_only: bool = False
+
+
+class MemoryEditIn(BaseModel):
+    """``POST /v1/sessions/{id}/memory``: a memory tool call as the model made it (``tool``: ``memory_replace``,
+    ``memory_append`` or ``memory_rethink``; ``arguments``: its object, ``label`` included), and the edit strategy
+    (default: the session's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tool: Literal["memory_replace", "memory_append", "memory_rethink"]
+    arguments: dict[str, str]
+    strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] | None = None
+
+
 class SessionCreate(BaseModel):
     """``POST /v1/sessions``: the prompt is policy, fields, memory, then the skills (transplanted)."""
 
@@ -164,6 +209,9 @@ class SessionCreate(BaseModel):
     fields: Annotated[list[FieldSpec], BeforeValidator(_declarations)] = Field(default_factory=list)
     """Declared fields (``kvagent.fields.FieldSpec``), or ``{name: initial}`` (the type from the value)."""
     memory: list[str] = Field(default_factory=list)
+    memory_blocks: list[MemoryBlockIn] = Field(default_factory=list)
+    """Memory blocks (``kvagent.memory``), placed after the fields as fields of their own and edited through
+    ``/v1/sessions/{id}/memory``."""
     skills: list[str] = Field(default_factory=list)
     eviction: EvictionIn | None = None
     edit_strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] = "auto"

@@ -1,6 +1,11 @@
 """The server's sessions: keys, live sessions on the engine's sequences, and parking.
 
-Entries live in kvagent's :class:`~kvagent.sessions.SessionTable` (one namespace for now; tenants get their own).
+Entries live in kvagent's :class:`~kvagent.sessions.SessionTable`, keyed by (tenant, kind, key): each tenant's
+``session`` namespace holds what ``POST /v1/sessions`` and restores made, its ``prompt_cache_key`` and ``user``
+namespaces what chat requests keyed that way made, so neither kind can be created ahead of the other and another
+tenant's key is simply not there (404). Every session opens in its tenant's prefix-index scope
+(``engine.session(scope=...)``): it starts only from its own tenant's cells, so ``cached_tokens`` and timing say
+nothing of another tenant's prompts.
 Every entry is either *active* (``entry.session`` is a live session on one of the engine's sequences) or
 *parked* (``entry.parked`` holds its segments and, unless the session evicted, its saved KV in a file).
 A request works on an entry only while it holds the entry's lock. When a new request needs a sequence
@@ -10,12 +15,19 @@ recently used first (the table's reclaim, with :class:`ParkToDisk` as its parkin
 ``session.save()`` refuses a session, its segments are kept and prefilled again. Nothing a client sent is lost
 by parking: segments, field values, errata, skills and the messages log stay in the entry. When nothing is
 idle the request is refused with 503 (``Busy``).
+
+Parked KV files are ``0600`` in the park folder (``0700``); a tenant's parked bytes are bounded by its quota and the
+disk's free space by ``min_free_disk_mb``: past either, the session parks without its KV (prefilled again later).
+A session holds its lock from the moment it is created or restored until its prefill and skills are in, so a chat
+request on the same id waits and then sees the whole session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -27,19 +39,33 @@ from kvagent.aio import AsyncEngine, AsyncSession
 from kvagent.errors import KVAgentError, KVCacheFullError
 from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
+from kvagent.memory import MemoryBlock
 from kvagent.generation import ReplyTokens
 from kvagent.messages import MessageLog
 from kvagent.segments import Segment, SegmentKind
 from kvagent.session import Session
 from kvagent.sessions import LRU, NoRoom, SessionTable, TableEntry
 
-from kvagent_server.errors import Busy, Conflict, NotFound
+from kvagent_server.errors import Busy, Conflict, NotFound, Quota
 from kvagent_server.metrics import Metrics
+from kvagent_server.tenants import Tenant
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-NAMESPACE = ""  # every session's, until the server keeps tenants apart
+SESSION = "session"  # made by POST /v1/sessions or a restore
+CHAT_KINDS = ("prompt_cache_key", "user")  # keyed by chat requests, made on first use
+KINDS = (SESSION, *CHAT_KINDS)
 _TEMPORARY = "~temporary"  # requests without a session key: one entry each, closed after the request
+
+
+def namespace(tenant: str, kind: str) -> str:
+    """The table namespace of one tenant's sessions of one kind (the unit separator never occurs in a name)."""
+    return f"{tenant}\x1f{kind}"
+
+
+def scope_of(tenant: Tenant) -> str:
+    """The prefix-index scope of a tenant's sessions."""
+    return f"tenant:{tenant.name}"
 
 
 @dataclass(frozen=True)
@@ -49,6 +75,10 @@ class SessionOptions:
     fields: tuple[FieldSpec, ...] = ()
     eviction: Eviction | None = None
     edit_strategy: str = "auto"
+    compact_after: int | None = None
+    """Errata kept before they are folded back into their fields (``Session.compact``)."""
+    memory: tuple[MemoryBlock, ...] = ()
+    """Memory blocks (``kvagent.memory``): each is also one of ``fields``, under its label."""
 
 
 @dataclass(frozen=True)
@@ -58,12 +88,16 @@ class Parked:
     segments: tuple[Segment, ...]
     blob: Path | None
     n_tokens: int
+    size: int = 0
+    """Bytes of the blob file (counted against the tenant's parked-bytes quota)."""
 
 
 @dataclass(eq=False)
 class Entry(TableEntry):
     """One session key and everything the server keeps for it."""
 
+    tenant: Tenant | None = None
+    kind: str = SESSION
     explicit: bool = False
     """Made by ``POST /v1/sessions`` or a restore (never forgotten); else keyed by a chat request."""
     options: SessionOptions = field(default_factory=SessionOptions)
@@ -76,6 +110,8 @@ class Entry(TableEntry):
     parked: Parked | None = None
     deleted: bool = False
     evicted_seen: int = 0
+    restored: bool = False
+    """Restored from a client's snapshot: its cells are never published to the prefix index (even after parking)."""
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -92,10 +128,13 @@ class Entry(TableEntry):
 
 
 class ParkToDisk:
-    """The table's parking hook: save the session's KV to a file in ``folder``, close it, keep its segments."""
+    """The table's parking hook: save the session's KV to a file in ``folder`` (mode 0600), close it, keep its
+    segments. A blob that would take the tenant past its parked-bytes quota, or the disk below ``min_free``
+    bytes, is not written: the session keeps its segments and is prefilled again."""
 
-    def __init__(self, folder: Path, metrics: Metrics) -> None:
-        self.folder, self.metrics = folder, metrics
+    def __init__(self, folder: Path, metrics: Metrics, min_free: int = 0) -> None:
+        self.folder, self.metrics, self.min_free = folder, metrics, min_free
+        self.bytes: dict[str, int] = {}  # parked KV bytes by tenant
 
     def park(self, entry: Entry) -> bool:
         session = entry.session
@@ -103,34 +142,59 @@ class ParkToDisk:
             return False
         segments = tuple(session.segments)
         path: Path | None = None
+        size = 0
         try:
             blob = session.save()
+            self._room_for(entry, len(blob))
             path = self.folder / f"{uuid.uuid4().hex}.kv"
-            path.write_bytes(blob)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(blob)
+            size = len(blob)
         except (KVAgentError, OSError) as exc:  # a cache that cannot be saved: prefill its segments later
             log.info("parking session %r without its KV (%s): its segments will be prefilled again", entry.key, exc)
+            if path is not None:
+                path.unlink(missing_ok=True)
             path = None
         n_tokens = len(session.tokens)
         _close_quietly(session)
-        entry.session, entry.parked = None, Parked(segments, path, n_tokens)
+        entry.session, entry.parked = None, Parked(segments, path, n_tokens, size)
+        if entry.tenant is not None and size:
+            self.bytes[entry.tenant.name] = self.bytes.get(entry.tenant.name, 0) + size
         self.metrics.parked.inc()
         log.debug("parked session %r (%d tokens)", entry.key, n_tokens)
         return False
+
+    def _room_for(self, entry: Entry, size: int) -> None:
+        tenant = entry.tenant
+        if tenant is not None and self.bytes.get(tenant.name, 0) + size > tenant.max_parked_bytes:
+            raise OSError(f"tenant {tenant.name!r} would pass its parked-bytes quota ({tenant.max_parked_bytes >> 20} MiB)")
+        if shutil.disk_usage(self.folder).free - size < self.min_free:
+            raise OSError(f"the park folder's disk would keep less than {self.min_free >> 20} MiB free")
+
+    def dropped(self, entry: Entry) -> None:
+        """The entry's blob file was removed: its bytes leave the tenant's count."""
+        parked = entry.parked
+        if parked is not None and parked.size and entry.tenant is not None:
+            self.bytes[entry.tenant.name] = max(0, self.bytes.get(entry.tenant.name, 0) - parked.size)
 
 
 class SessionManager:
     """Entries by key in a session table, parking and restoring them as sequences and cells run out."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, park_dir: Path, *, max_parked: int = 1024,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1, min_free_bytes: int = 0, compact_after: int | None = None,
+                 libraries: Callable[[Tenant], object] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.park_dir = park_dir
         self.max_parked = max_parked
         self.retry_after_s = retry_after_s
+        self.compact_after = compact_after
+        self.libraries = libraries  # the skill library of a tenant's sessions (None: the engine's)
+        self.parking = ParkToDisk(park_dir, metrics, min_free_bytes)
         # one sequence kept free beside the sessions: a scratch for skill transplants and splicing edits
-        self.table: SessionTable[Entry] = SessionTable(engine.engine, strategy=LRU(),
-                                                       parking=ParkToDisk(park_dir, metrics), spare=1)
+        self.table: SessionTable[Entry] = SessionTable(engine.engine, strategy=LRU(), parking=self.parking, spare=1)
         self._admission = asyncio.Lock()  # making room and opening the session it was made for, one at a time
         self.n_ctx = engine.engine.backend.n_ctx
         self.renderer = engine.engine.renderer(True)
@@ -138,10 +202,15 @@ class SessionManager:
                       cells=lambda: float(self.cells_used()), total=self.n_ctx)
 
     # -- reading ----------------------------------------------------------------------------------
+    def entries_of(self, tenant: Tenant, kind: str | None = None) -> list[Entry]:
+        """A tenant's keyed entries (of one kind, or all; temporary ones left out), oldest first."""
+        kinds = KINDS if kind is None else (kind,)
+        return [e for k in kinds for e in self.table.entries(namespace(tenant.name, k))]
+
     @property
-    def entries(self) -> dict[str, Entry]:
-        """The keyed entries (temporary ones left out), oldest first."""
-        return {e.key: e for e in self.table.entries(NAMESPACE)}
+    def keyed(self) -> list[Entry]:
+        """Every tenant's keyed entries (temporary ones left out)."""
+        return [e for e in self.table.entries() if e.kind in KINDS and not e.namespace.endswith(_TEMPORARY)]
 
     @property
     def active_count(self) -> int:
@@ -149,13 +218,15 @@ class SessionManager:
 
     @property
     def parked_count(self) -> int:
-        return sum(e.parked is not None for e in self.table.entries(NAMESPACE))
+        return sum(e.parked is not None for e in self.keyed)
 
-    def get(self, key: str) -> Entry:
-        entry = self.table.get(NAMESPACE, key)
+    def get(self, tenant: Tenant, key: str, kind: str = SESSION) -> Entry:
+        """The tenant's entry of ``kind`` and ``key``; 404 when there is none (another tenant's is none)."""
+        entry = self.table.get(namespace(tenant.name, kind), key)
         if entry is None:
-            raise NotFound(f"unknown session {key!r}: create it with POST /v1/sessions (or send it as the "
-                           "session key of a chat request)", param="session", code="session_not_found")
+            hint = ("create it with POST /v1/sessions" if kind == SESSION else
+                    f"a chat request with {kind} {key!r} makes it")
+            raise NotFound(f"unknown session {key!r} ({kind}): {hint}", param="session", code="session_not_found")
         return entry
 
     def cells_used(self) -> int:
@@ -163,29 +234,44 @@ class SessionManager:
         return self.table.cells_used()
 
     # -- creating, using, deleting ------------------------------------------------------------------
-    async def create(self, key: str, static: Sequence[Segment], options: SessionOptions, *,
-                     explicit: bool = True) -> Entry:
-        """A new active entry whose prompt is ``static`` (not prefilled yet); 409 if ``key`` is taken."""
-        entry = Entry(NAMESPACE, key, explicit=explicit, options=options, static=list(static))
+    @asynccontextmanager
+    async def creating(self, tenant: Tenant, key: str, static: Sequence[Segment], options: SessionOptions, *,
+                       restored: bool = False) -> AsyncIterator[Entry]:
+        """A new explicit entry of ``tenant`` whose prompt is ``static``, active and locked until the block ends
+        (the caller prefills it and includes its skills there: a request on the same id waits, then sees it
+        whole). 409 if ``key`` is taken, 429 past the tenant's session quota; a block that fails forgets the
+        entry (nothing was created)."""
+        if len(self.entries_of(tenant)) >= tenant.max_sessions:
+            raise Quota(f"this key holds {tenant.max_sessions} sessions, its quota: delete one first "
+                        "(DELETE /v1/sessions/{id})", self.retry_after_s, param="id")
+        entry = Entry(namespace(tenant.name, SESSION), key, tenant=tenant, kind=SESSION, explicit=True,
+                      options=options, static=list(static), restored=restored)
         if not self.table.add(entry):
             raise Conflict(f"session {key!r} already exists: delete it first or use another id", param="id")
+        await entry.lock.aacquire()
         try:
-            await entry.lock.aacquire()
             try:
                 await self._activate(entry)
-            finally:
-                entry.lock.release()
-        except BaseException:
-            self._forget(entry)
-            raise
-        return entry
+                with self._running():
+                    yield entry
+            except BaseException:
+                self._forget(entry)
+                if entry.session is not None:
+                    await asyncio.to_thread(_close_quietly, entry.session)
+                    entry.session = None
+                raise
+        finally:
+            entry.last_used = time.monotonic()
+            entry.lock.release()
 
     @asynccontextmanager
-    async def use(self, key: str | None, *, implicit: bool = True) -> AsyncIterator[Entry]:
-        """The entry of ``key``, active and locked for this request. ``key=None``: a temporary session,
-        closed afterwards; an unknown key makes an implicit entry (``implicit``) or is a 404."""
+    async def use(self, tenant: Tenant, key: str | None, kind: str = SESSION, *,
+                  implicit: bool = True) -> AsyncIterator[Entry]:
+        """The tenant's entry of ``kind`` and ``key``, active and locked for this request. ``key=None``: a
+        temporary session, closed afterwards; an unknown key makes an implicit entry (``implicit``, chat kinds
+        only) or is a 404."""
         if key is None:
-            entry = Entry(_TEMPORARY, uuid.uuid4().hex)
+            entry = Entry(namespace(tenant.name, _TEMPORARY), uuid.uuid4().hex, tenant=tenant, kind=_TEMPORARY)
             self.table.add(entry)
             await entry.lock.aacquire()
             try:
@@ -199,11 +285,14 @@ class SessionManager:
                     entry.session = None
                 entry.lock.release()
             return
-        entry = self.table.get(NAMESPACE, key)
+        ns = namespace(tenant.name, kind)
+        entry = self.table.get(ns, key)
         if entry is None:
-            if not implicit:
-                self.get(key)  # raises NotFound
-            entry = self.table.setdefault(NAMESPACE, key, lambda: Entry(NAMESPACE, key))
+            if not implicit or kind == SESSION:
+                self.get(tenant, key, kind)  # raises NotFound
+            await self._make_room_for_a_key(tenant)
+            entry = self.table.setdefault(ns, key, lambda: Entry(ns, key, tenant=tenant, kind=kind,
+                                                                 options=SessionOptions(compact_after=self.compact_after)))
         self.metrics.requests_waiting.inc()
         try:
             await entry.lock.aacquire()
@@ -216,7 +305,10 @@ class SessionManager:
             try:
                 await self._activate(entry)
             except BaseException:
-                if entry.session is None and entry.parked is None:  # never came to life: leave no ghost
+                # an implicit entry that never came to life leaves no ghost, unless others wait for it (they try
+                # again themselves); an explicit one keeps its segments for the next try
+                if (not entry.explicit and entry.session is None and entry.parked is None
+                        and entry.lock.waiting == 0 and not entry.log.messages):
                     self._forget(entry)
                 raise
             with self._running():
@@ -225,8 +317,28 @@ class SessionManager:
             entry.last_used = time.monotonic()
             entry.lock.release()
 
-    async def delete(self, key: str) -> None:
-        entry = self.get(key)
+    async def _make_room_for_a_key(self, tenant: Tenant) -> None:
+        """Before a new chat key: past the tenant's session quota, forget its least recently used idle chat
+        entry (its client resends the history); 429 when none is idle."""
+        held = self.entries_of(tenant)
+        if len(held) < tenant.max_sessions:
+            return
+        for victim in sorted((e for e in held if not e.explicit), key=lambda e: e.last_used):
+            if not victim.lock.try_acquire():  # in use, awaited, or being parked
+                continue
+            try:
+                self._forget(victim)  # out of the table first: a request that finds it later gets a 404
+                if victim.session is not None:
+                    session, victim.session = victim.session, None
+                    await asyncio.to_thread(_close_quietly, session)
+            finally:
+                victim.lock.release()
+            return
+        raise Quota(f"this key holds {tenant.max_sessions} sessions, its quota, and none is idle: retry shortly "
+                    "or delete one", self.retry_after_s)
+
+    async def delete(self, tenant: Tenant, key: str, kind: str = SESSION) -> None:
+        entry = self.get(tenant, key, kind)
         entry.deleted = True
         self.table.remove(entry)
         await entry.lock.aacquire()
@@ -297,13 +409,17 @@ class SessionManager:
         async with self._admission:
             await self._room(entry, sequences=1, cells=parked.n_tokens if parked is not None else 0)
             opts = entry.options
+            tenant = entry.tenant
+            library = self.libraries(tenant) if (self.libraries is not None and tenant is not None) else None
             session = await self.engine.session(segments, fields=list(opts.fields), eviction=opts.eviction,
-                                                edit_strategy=opts.edit_strategy)
+                                                edit_strategy=opts.edit_strategy, compact_after=opts.compact_after,
+                                                scope=scope_of(tenant) if tenant is not None else "",
+                                                skills=library)
         session.session.replies = entry.replies  # the memory of generated turns outlives the sequence
         entry.evicted_seen = 0
         if parked is not None:
             try:
-                await self._restore(session, parked)
+                await self._restore(session, parked, share=not entry.restored)
             except BaseException:
                 await asyncio.to_thread(_close_quietly, session.session)
                 raise
@@ -312,11 +428,11 @@ class SessionManager:
             self.metrics.restored.inc()
         entry.session = session.session
 
-    async def _restore(self, session: AsyncSession, parked: Parked) -> None:
+    async def _restore(self, session: AsyncSession, parked: Parked, *, share: bool) -> None:
         if parked.blob is not None:
             try:
                 blob = await asyncio.to_thread(parked.blob.read_bytes)
-                await session.arestore(blob, parked.segments)
+                await session.arestore(blob, parked.segments, share=share)
                 return
             except (OSError, KVAgentError) as exc:
                 log.warning("restoring a parked session from %s failed (%s): prefilling its segments again",
@@ -324,10 +440,18 @@ class SessionManager:
         await session.areplace(parked.segments)
 
     def _trim_parked(self) -> None:
-        """Forget the least recently used implicit parked entries beyond ``max_parked``."""
+        """Forget implicit parked entries beyond ``max_parked``: those of the namespace holding the most first, least
+        recently used first within it."""
         excess = self.parked_count - self.max_parked
-        parked = sorted((e for e in self.table.entries(NAMESPACE) if e.parked is not None and not e.explicit),
-                        key=lambda e: e.last_used)
+        if excess <= 0:
+            return
+        implicit = [e for e in self.keyed if e.parked is not None and not e.explicit]
+        held: dict[str, int] = {}
+        for e in implicit:
+            held[e.namespace] = held.get(e.namespace, 0) + 1
+        # the tenant (and kind) holding the most parked chat sessions gives way first: one tenant's many keys do
+        # not push out another's few
+        parked = sorted(implicit, key=lambda e: (-held[e.namespace], e.last_used))
         for entry in parked:
             if excess <= 0:
                 break
@@ -341,10 +465,11 @@ class SessionManager:
         entry.deleted = True
         self._drop_blob(entry)
 
-    @staticmethod
-    def _drop_blob(entry: Entry) -> None:
+    def _drop_blob(self, entry: Entry) -> None:
         if entry.parked is not None and entry.parked.blob is not None:
             entry.parked.blob.unlink(missing_ok=True)
+            self.parking.dropped(entry)
+            entry.parked = Parked(entry.parked.segments, None, entry.parked.n_tokens)
 
     def _running(self) -> _Running:
         return _Running(self.metrics)

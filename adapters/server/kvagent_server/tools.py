@@ -59,14 +59,15 @@ NO_TOOLS = TurnTools()
 
 
 class ToolCache:
-    """Tool sets and their segments by the tools' JSON, least recently used dropped beyond ``limit``.
+    """Tool sets and their segments by the tools' JSON, least recently used dropped beyond ``limit``; one cache per
+    tenant (``scope``, ``library``: its renderer and skill library), so a hit says nothing of another tenant's tools.
 
     A miss checks the tools (``ToolSet``: names, duplicates, schemas the grammar can express) and compiles their
     segments as skills on the engine's worker, in a thread so the event loop keeps serving; concurrent requests
     with the same new tools share that one build. A refused tool set is not kept (each request gets the error)."""
 
-    def __init__(self, engine: Engine, limit: int = 64) -> None:
-        self.engine, self.limit = engine, limit
+    def __init__(self, engine: Engine, limit: int = 64, *, scope: str = "", library: Any = None) -> None:
+        self.engine, self.limit, self.scope, self.library = engine, limit, scope, library
         self._done: OrderedDict[str, tuple[ToolSet, tuple[Segment, ...]]] = OrderedDict()
         self._pending: dict[str, asyncio.Future[tuple[ToolSet, tuple[Segment, ...]]]] = {}
         self.hits = self.misses = 0
@@ -94,12 +95,12 @@ class ToolCache:
         toolset = ToolSet(tools)  # ToolSpecError / ToolSchemaError name the tool
         from kvagent.tools.format import tool_segments
 
-        renderer = self.engine.renderer(True)
+        renderer = self.engine.renderer(True, self.scope)
         n = sum(len(renderer.segment_tokens(s)) for s in tool_segments(toolset))
         if n >= self.engine.backend.n_ctx:  # checked before anything is compiled
             raise ContextOverflowError(f"tools: their descriptions are {n} tokens, the context "
                                        f"{self.engine.backend.n_ctx}: send fewer or shorter tools")
-        return toolset, tuple(self.engine.tool_segments(toolset))
+        return toolset, tuple(self.engine.tool_segments(toolset, library=self.library, scope=self.scope))
 
 
 # -- the request ----------------------------------------------------------------------------------

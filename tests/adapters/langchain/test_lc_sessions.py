@@ -178,7 +178,7 @@ def test_named_errors_say_the_fix(tmp_path: Path) -> None:
         m.session("nobody")
     with pytest.raises(UndeclaredFieldError, match=r"add FieldSpec\(name='plan'"):
         m.set_fields({"plan": "gold"})
-    with pytest.raises(UndeclaredFieldError, match="not a field of the chat model"):
+    with pytest.raises(UndeclaredFieldError, match=r"not declared on this ChatKVAgent.*add FieldSpec"):
         KVAgentStateRunnable(m, fields=["plan"])
     skill = tmp_path / "fresh_skill.yaml"  # text no store has seen: certainly not compiled
     skill.write_text(f"name: fresh-skill\nversion: 1\nkind: rules\ntext: |\n  Rule {tmp_path.name}: greet by name.\n")

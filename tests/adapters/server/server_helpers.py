@@ -31,9 +31,9 @@ async def served(engine: Any, **config: Any) -> AsyncIterator[tuple[Any, Any]]:
     from kvagent_server import ServerConfig, create_app
 
     app = create_app(ServerConfig(model=MODEL, **config), engine=AsyncEngine(engine))
-    transport = httpx.ASGITransport(app=app)
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))  # a loopback client, as on this machine
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvagent.test", timeout=300) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000", timeout=300) as client:
             yield app, client
     finally:
         await app.state.kv.sessions.close()
@@ -48,6 +48,29 @@ def process(args: list[str], url: str, *, env: dict[str, str] | None = None, rea
         yield proc
     finally:
         stop_process(proc)
+
+
+OCTETS = {"content-type": "application/octet-stream"}
+"""The headers of a restore body (the bytes a save answered)."""
+
+
+def entry_of(app: Any, key: str, kind: str | None = None) -> Any:
+    """The server's entry of ``key`` (of ``kind``, or any kind) among every tenant's keyed sessions; KeyError if none."""
+    for entry in app.state.kv.sessions.keyed:
+        if entry.key == key and (kind is None or entry.kind == kind):
+            return entry
+    raise KeyError(key)
+
+
+def keyed(app: Any) -> list[str]:
+    """The keys of the server's keyed sessions (every tenant, every kind)."""
+    return [e.key for e in app.state.kv.sessions.keyed]
+
+
+def tenant_of(app: Any, name: str | None = None) -> Any:
+    """A tenant of the app (the only one, without a name)."""
+    tenants = app.state.kv.tenants.all
+    return tenants[0] if name is None else next(t for t in tenants if t.name == name)
 
 
 def rss_mib(pid: int) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from server_helpers import MODEL, run, served
+from server_helpers import MODEL, OCTETS, entry_of, keyed, run, served
 
 POLICY = "You are the support agent of Northwind Outdoor. Answer in one short sentence."
 
@@ -42,18 +42,22 @@ def test_models_and_a_temporary_chat(core_engine: Any) -> None:
             assert use["prompt_tokens"] > 0 and 0 < use["completion_tokens"] <= 8
             assert use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"]
             assert core_engine.pool.free == before  # a request without a key leaves no session behind
-            assert app.state.kv.sessions.entries == {}
+            assert keyed(app) == []
     run(main())
 
 
 def test_keyed_session_reuses_its_prefix_turn_after_turn(core_engine: Any) -> None:
-    """The key may come from the header, ``prompt_cache_key`` or ``user``; cached tokens grow each turn."""
+    """The key may come from the header (a session made with ``POST /v1/sessions``), ``prompt_cache_key`` or
+    ``user`` (made by the first request); cached tokens grow each turn."""
     async def main() -> None:
         async with served(core_engine) as (app, client):
             for how in ("header", "prompt_cache_key", "user"):
                 key = f"conv-{how}"
                 extra: dict[str, Any] = {} if how == "header" else {how: key}
                 headers = {"X-KVAgent-Session": key} if how == "header" else {}
+                if how == "header":
+                    made = await client.post("/v1/sessions", json={"id": key, "memory": ["Northwind Outdoor."]})
+                    assert made.status_code == 201, made.text
                 messages = [{"role": "system", "content": POLICY}]
                 cached = []
                 for question in ("Do you sell tents?", "And sleeping bags?", "Thanks!"):
@@ -65,9 +69,10 @@ def test_keyed_session_reuses_its_prefix_turn_after_turn(core_engine: Any) -> No
                     use = body["usage"]
                     cached.append((use["prompt_tokens_details"]["cached_tokens"], use["prompt_tokens"]))
                 assert cached[1][0] >= cached[0][1] and cached[2][0] >= cached[1][1], cached  # last prompt + reply
-                assert key in app.state.kv.sessions.entries
-                view = (await client.get(f"/v1/sessions/{key}")).json()
-                assert view["messages"] == len(messages)
+                kind = "session" if how == "header" else how
+                assert entry_of(app, key, kind)
+                view = (await client.get(f"/v1/sessions/{key}", params={"kind": kind})).json()
+                assert view["messages"] == len(messages) and view["kind"] == kind
     run(main())
 
 
@@ -87,7 +92,7 @@ def test_streaming_with_usage(core_engine: Any) -> None:
             assert len(finals) == 1
             usage = chunks[-1]["usage"]
             assert chunks[-1]["choices"] == [] and usage["completion_tokens"] >= 1
-            view = (await client.get("/v1/sessions/streamer")).json()
+            view = (await client.get("/v1/sessions/streamer", params={"kind": "user"})).json()
             assert view["segments"][-1]["text"] == text  # the streamed reply is the cached turn
     run(main())
 
@@ -131,19 +136,20 @@ def test_sessions_crud_fields_errata_and_save_restore(core_engine: Any) -> None:
 
             saved = await client.post("/v1/sessions/order-1/save")
             assert saved.status_code == 200 and saved.headers["content-type"] == "application/octet-stream"
-            restored = await client.post("/v1/sessions/order-2/restore", content=saved.content)
+            restored = await client.post("/v1/sessions/order-2/restore", content=saved.content, headers=OCTETS)
             assert restored.status_code == 201, restored.text
             again = restored.json()
             assert again["fields"] == view["fields"] and again["tokens"] == view["tokens"]
             assert [s["text"] for s in again["segments"]] == [s["text"] for s in view["segments"]]
             messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
             messages.append({"role": "user", "content": "And a refund?"})
-            r2 = await client.post("/v1/chat/completions", json=chat_body(messages, prompt_cache_key="order-2"))
+            r2 = await client.post("/v1/chat/completions", json=chat_body(messages),
+                                   headers={"X-KVAgent-Session": "order-2"})
             assert r2.status_code == 200
             assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= view["tokens"]  # restored KV used
 
-            corrupt = await client.post("/v1/sessions/order-3/restore", content=b"not a session")
-            assert corrupt.status_code == 422 and "saved kvagent session" in corrupt.json()["error"]["message"]
+            corrupt = await client.post("/v1/sessions/order-3/restore", content=b"not a session", headers=OCTETS)
+            assert corrupt.status_code == 422 and "not signed by this server" in corrupt.json()["error"]["message"]
             listed = {s["id"] for s in (await client.get("/v1/sessions")).json()["data"]}
             assert {"order-1", "order-2"} <= listed
             assert (await client.delete("/v1/sessions/order-1")).status_code == 204
@@ -228,7 +234,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(core_engine:
             if case == "oversized prompt":  # an existing session is left exactly as it was
                 ok = await client.post("/v1/chat/completions", json={**good, "user": "big"})
                 assert ok.status_code == 200
-                tokens = app.state.kv.sessions.entries["big"].session.tokens
+                tokens = entry_of(app, "big").session.tokens
             if case == "unknown session":
                 r = await client.post("/v1/sessions/ghost/fields", json={"values": {"a": 1}})
             elif isinstance(bodies[case], bytes):
@@ -240,7 +246,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(core_engine:
             error = r.json()["error"]
             assert needle in error["message"], error
             if case == "oversized prompt":
-                assert app.state.kv.sessions.entries["big"].session.tokens == tokens
+                assert entry_of(app, "big").session.tokens == tokens
             again = await client.post("/v1/chat/completions", json=good)
             assert again.status_code == 200
     run(main())

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from server_helpers import MODEL, metric, run, served
+from server_helpers import MODEL, entry_of, keyed, metric, run, served, tenant_of
 
 POLICY = "You are a support agent. Answer in one short sentence."
 HI = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -88,7 +88,7 @@ def test_a_session_that_evicted_parks_and_comes_back(small_engine: Any) -> None:
                                                             "eviction": {"policy": "window", "budget": 256,
                                                                          "chunk": 32}})
                 assert r.status_code == 201, r.text
-                entry = manager.entries[sid]
+                entry = entry_of(app, sid)
                 evicted = set(entry.session.evicted_positions)
                 assert evicted  # it evicted: its cache has holes
                 if refuse:
@@ -102,7 +102,7 @@ def test_a_session_that_evicted_parks_and_comes_back(small_engine: Any) -> None:
                 view = (await client.get(f"/v1/sessions/{sid}")).json()
                 assert view["fields"] == {"customer": "C-777"} and not view["parked"]
                 if not refuse:  # restored with its holes, then the turn was added
-                    assert evicted <= set(manager.entries[sid].session.evicted_positions)
+                    assert evicted <= set(entry_of(app, sid).session.evicted_positions)
     run(main())
 
 
@@ -114,17 +114,16 @@ def test_503_with_retry_after_when_nothing_can_be_parked(small_engine: Any) -> N
             manager = app.state.kv.sessions
             for sid in ("a", "b"):
                 assert (await client.post("/v1/sessions", json={"id": sid, "policy": POLICY})).status_code == 201
-            async with manager.use("a"), manager.use("b"):  # both are working
-                r = await client.post("/v1/chat/completions", headers={"X-KVAgent-Session": "d"},
-                                      json=HI)
+            tenant = tenant_of(app)
+            async with manager.use(tenant, "a"), manager.use(tenant, "b"):  # both are working
+                r = await client.post("/v1/chat/completions", json={**HI, "user": "d"})
                 assert r.status_code == 503 and r.headers["retry-after"] == "2"
                 assert "retry" in r.json()["error"]["message"]
-                assert "d" not in manager.entries  # the refused request left nothing behind
-            r = await client.post("/v1/chat/completions", headers={"X-KVAgent-Session": "d"},
-                                  json=HI)
+                assert "d" not in keyed(app)  # the refused request left nothing behind
+            r = await client.post("/v1/chat/completions", json={**HI, "user": "d"})
             assert r.status_code == 200  # once one is idle again, it is parked to make room
             # the least recently used: "b" (the inner block) was released first
-            assert manager.entries["b"].parked is not None and manager.entries["a"].parked is None
+            assert entry_of(app, "b").parked is not None and entry_of(app, "a").parked is None
     run(main())
 
 

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from server_helpers import MODEL, free_port, kvagent_serve_args, metric, process, run, served
+from server_helpers import MODEL, OCTETS, entry_of, free_port, kvagent_serve_args, metric, process, run, served, tenant_of
 
 POLICY = ("You are the support agent of Northwind Outdoor, a shop for tents, sleeping bags and hiking gear. Answer "
           "customers in one or two short sentences. When a customer asks about an order, look it up with the "
@@ -239,9 +239,11 @@ def test_tool_sets_are_compiled_once_then_transplanted(core_engine: Any) -> None
                 assert r.status_code == 200, r.text
                 text = (await client.get("/metrics")).text
                 transplanted.append(metric(text, "kvagent_prompt_tokens_total", kind="transplanted"))
-            _, segments = await state.tools.get(TOOLS)
-            n_tools = sum(len(state.renderer.segment_tokens(s)) for s in segments)
-            assert (state.tools.misses, state.tools.hits) == (1, 2)
+            tenant = tenant_of(app)
+            tools = state.tools(tenant)  # the tenant's own cache of tool sets
+            _, segments = await tools.get(TOOLS)
+            n_tools = sum(len(state.renderer(tenant).segment_tokens(s)) for s in segments)
+            assert (tools.misses, tools.hits) == (1, 2)
             assert transplanted[1] - transplanted[0] >= n_tools - 4 * len(segments)  # all but each one's seam of 4
     run(main())
 
@@ -258,18 +260,20 @@ def test_a_streamed_call_is_logged_with_its_ids_and_the_loop_extends_the_prompt_
             r = await client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             calls, usage = sse_calls(r.text)
-            entry = app.state.kv.sessions.entries["streamed-loop"]
+            entry = entry_of(app, "streamed-loop")
             assert [c.id for c in entry.log.messages[-1].tool_calls] == [c["id"] for c in calls]
-            saved = await client.post("/v1/sessions/streamed-loop/save")
-            assert (await client.post("/v1/sessions/restored-loop/restore", content=saved.content)).status_code == 201
+            saved = await client.post("/v1/sessions/streamed-loop/save", params={"kind": "user"})
+            assert (await client.post("/v1/sessions/restored-loop/restore", content=saved.content,
+                                     headers=OCTETS)).status_code == 201
             before = [s["id"] for s in (await client.get("/v1/sessions/restored-loop")).json()["segments"]]
             assistant = {"role": "assistant", "content": None, "tool_calls": [
                 {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                 for c in calls]}
             messages = [*QUESTION, assistant, {"role": "tool", "tool_call_id": calls[0]["id"], "content": "shipped"}]
-            r = await client.post("/v1/chat/completions", json={**body, "messages": messages, "stream": False,
-                                                                "user": "restored-loop", "tool_choice": "none",
-                                                                "max_tokens": 4})
+            ask = {k: v for k, v in body.items() if k != "user"}
+            r = await client.post("/v1/chat/completions", json={**ask, "messages": messages, "stream": False,
+                                                                "tool_choice": "none", "max_tokens": 4},
+                                  headers={"X-KVAgent-Session": "restored-loop"})
             assert r.status_code == 200, r.text
             after = [s["id"] for s in (await client.get("/v1/sessions/restored-loop")).json()["segments"]]
             assert after[:len(before)] == before and len(after) == len(before) + 2  # the result and the reply
