@@ -209,7 +209,7 @@ class Engine:
         from kvagent.eviction import Evictor
         from kvagent.session import Session
 
-        evictor = Evictor(eviction, self.backend, self.model.path) if eviction is not None else None
+        evictor = Evictor(eviction, self.backend, self.model.path, self.pool.scratch) if eviction is not None else None
         renderer = self.renderer(chat, scope)
         library = (lambda: skills) if skills is not None else (lambda: self.skills)
         seq = self.pool.take("a session")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -53,9 +55,13 @@ class CycleReport:
 
 
 class Evictor:
-    """Scores and prunes one session's sequence. Created by ``Engine.session(eviction=...)``."""
+    """Scores and prunes one session's sequence. Created by ``Engine.session(eviction=...)``.
 
-    def __init__(self, config: Eviction, backend: Backend, model_path: Path) -> None:
+    ``scratch`` lends a temporary sequence (the engine's ``SequencePool.scratch``): a policy that ``needs_probe``
+    decodes its probe there, on a copy of the session's cells, and gets no probe without one."""
+
+    def __init__(self, config: Eviction, backend: Backend, model_path: Path,
+                 scratch: Callable[[], AbstractContextManager[int]] | None = None) -> None:
         if config.budget < 2 or config.chunk < 1:
             raise EvictionError(f"eviction budget must be >= 2 and chunk >= 1, got budget={config.budget}, chunk={config.chunk}")
         if config.budget + config.chunk + _MARGIN > backend.n_ctx:
@@ -69,17 +75,27 @@ class Evictor:
         self._backend = backend
         self._model_path = model_path
         self._capture = backend.capture
+        self._scratch = scratch
         self._layer = backend.layer_output_name(-2)  # output of layer L-2 = input of the last layer
         if not backend.capabilities.positional_kv:
             raise EvictionError("this backend does not keep cells at explicit positions: eviction leaves holes in the "
                                 "cache, which it cannot hold; open the session without eviction")
-        if self.policy.needs_hidden:
-            if not backend.capabilities.hidden_capture or self._capture is None:
-                raise EvictionError(
-                    f"policy {self.policy.name!r} reads the penultimate layer's hidden states: load the engine "
-                    "with capture='native' (or 'python'), e.g. Engine.load(model, capture='native')"
-                )
-            self._capture.want([self._layer])
+        if self.policy.needs_hidden and (not backend.capabilities.hidden_capture or self._capture is None):
+            raise EvictionError(
+                f"policy {self.policy.name!r} reads the penultimate layer's hidden states: load the engine "
+                "with capture='native' (or 'python'), e.g. Engine.load(model, capture='native')"
+            )
+        # layers whose input states the policy reads (input of layer l = output of layer l - 1)
+        self.layers = tuple(sorted(set(self.policy.input_layers(backend.n_layer, model_path))))
+        if any(not 1 <= layer < backend.n_layer for layer in self.layers):
+            raise EvictionError(f"policy {self.policy.name!r} asked for layers {self.layers}: use 1 .. {backend.n_layer - 1}")
+        if self.layers and self._capture is None:
+            raise EvictionError(f"policy {self.policy.name!r} reads hidden states of layers {self.layers}: load the "
+                                "engine with capture='native' (or 'python')")
+        self._layer_names = {layer: backend.layer_output_name(layer - 1) for layer in self.layers}
+        if self.captures and self._capture is not None:
+            self._capture.want(self._wanted())
+        self._layer_rows: dict[int, dict[int, np.ndarray]] = {layer: {} for layer in self.layers}
         self._hidden: dict[int, np.ndarray] = {}
         self._tokens: dict[int, int] = {}  # token decoded at each position still cached (and at p - 1 of those)
         self._texts: dict[int, str] = {}  # token id -> text
@@ -87,34 +103,81 @@ class Evictor:
         self.cycles: list[CycleReport] = []
 
     # -- hidden states ----------------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-               outputs: Sequence[bool]) -> np.ndarray:
-        """``Backend.decode`` (same signature, so a sequence decodes through either), recording H^(L-1) rows per
-        position when the policy needs them. One evictor belongs to one sequence: every id names it."""
-        capture = self._capture if self.policy.needs_hidden else None
-        self._tokens.update(zip((int(p) for p in positions), (int(t) for t in tokens)))
-        if capture is None:
-            return self._backend.decode(tokens, positions, seq_ids, outputs)
+    @property
+    def captures(self) -> bool:
+        """Whether decoding through this evictor captures hidden states (the policy reads some)."""
+        return self.policy.needs_hidden or bool(self.layers)
+
+    def _wanted(self) -> list[str]:
+        """Graph names to capture: the penultimate layer's output (``needs_hidden``) and the policy's layers' inputs."""
+        names = [self._layer] if self.policy.needs_hidden else []
+        return list(dict.fromkeys(names + list(self._layer_names.values())))
+
+    def _captured(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+                  outputs: Sequence[bool]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Decode with capture on: the logits and ``{graph name: [len(tokens), n_embd]}`` (names whose row count
+        does not match the batch are left out, with a warning)."""
+        capture = self._capture
+        if capture is None:  # pragma: no cover - __init__ refuses a capturing policy without capture
+            raise EvictionError("this engine captures no hidden states")
         capture.clear()
         capture.enabled = True
         try:
             logits = self._backend.decode(tokens, positions, seq_ids, outputs)
         finally:
             capture.enabled = False
-        rows = capture.take().get(self._layer, [])
-        hidden = np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)
-        if hidden.shape[0] != len(tokens):
-            log.warning("captured %d hidden rows for %d tokens: not recorded", hidden.shape[0], len(tokens))
-        else:
-            for p, row in zip(positions, hidden):
-                self._hidden[int(p)] = row
+        out = {}
+        for name, rows in capture.take().items():
+            hidden = np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)
+            if hidden.shape[0] == len(tokens):
+                out[name] = hidden
+            else:
+                log.warning("captured %d %s rows for %d tokens: not recorded", hidden.shape[0], name, len(tokens))
+        return logits, out
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+               outputs: Sequence[bool]) -> np.ndarray:
+        """``Backend.decode`` (same signature, so a sequence decodes through either), recording H^(L-1) rows per
+        position when the policy needs them, and the input states of the policy's layers. One evictor belongs to
+        one sequence: every id names it."""
+        self._tokens.update(zip((int(p) for p in positions), (int(t) for t in tokens)))
+        if not self.captures:
+            return self._backend.decode(tokens, positions, seq_ids, outputs)
+        logits, rows = self._captured(tokens, positions, seq_ids, outputs)
+        pos = [int(p) for p in positions]
+        if self.policy.needs_hidden and self._layer in rows:
+            self._hidden.update(zip(pos, rows[self._layer]))
+        for layer, name in self._layer_names.items():
+            if name in rows:
+                self._layer_rows[layer].update(zip(pos, rows[name]))
         return logits
 
     def forget_from(self, position: int) -> None:
         """The sequence was cut at ``position``: drop what was recorded from there on."""
         self._hidden = {p: h for p, h in self._hidden.items() if p < position}
+        self._layer_rows = {layer: {p: h for p, h in rows.items() if p < position}
+                            for layer, rows in self._layer_rows.items()}
         self._tokens = {p: t for p, t in self._tokens.items() if p < position}
         self._seen = {p for p in self._seen if p < position}
+
+    def _probe(self, seq: int, start: int) -> Callable[[Sequence[int], str], Mapping[int, np.ndarray]] | None:
+        """``view.probe`` for a cycle of ``seq`` whose next position is ``start`` (None without a scratch
+        sequence or when the policy needs none)."""
+        if not self.policy.needs_probe or self._scratch is None:
+            return None
+        scratch = self._scratch
+
+        def probe(tokens: Sequence[int], prompt: str = "") -> Mapping[int, np.ndarray]:
+            ids = (self._backend.tokenize(prompt, special=False) if prompt else []) + [int(t) for t in tokens]
+            n = len(ids)
+            if not n:
+                return {}
+            with scratch() as tmp:
+                self._backend.seq_cp(seq, tmp, 0, -1)  # the session's cells, shared: the probe adds its own
+                _, rows = self._captured(ids, range(start, start + n), [tmp] * n, [False] * (n - 1) + [True])
+            return {layer: rows[name] for layer, name in self._layer_names.items() if name in rows}
+
+        return probe
 
     # -- cycle ------------------------------------------------------------------------------------
     def due(self, cells: int) -> bool:
@@ -122,10 +185,11 @@ class Evictor:
         return cells >= self.budget + self.chunk
 
     def cycle(self, seq: int, tokens: Sequence[int], positions: Sequence[int], pinned: Sequence[bool],
-              priority: Sequence[int] | None = None) -> CycleReport:
+              priority: Sequence[int] | None = None, labels: Sequence[str] | None = None) -> CycleReport:
         """Prune the cells ``positions`` (ascending, with their ``tokens``) to the budget; returns what went.
         ``priority`` (per cell, default all 0): cells of a lower priority are evicted first, the policy's
-        scores ranking cells within one priority."""
+        scores ranking cells within one priority; ``labels`` (per cell): its segment's label, for policies with
+        per-segment budgets."""
         start = time.perf_counter()
         pos = np.asarray(positions, dtype=np.int64)
         tok = np.asarray(tokens, dtype=np.int64)
@@ -140,6 +204,10 @@ class Evictor:
             query_hidden=self.hidden_rows(pos - 1) if self.policy.needs_hidden else None,
             previous=np.array([self._tokens.get(p - 1, -1) for p in pos.tolist()], dtype=np.int64),
             texts=self.texts(tok),
+            budget=self.budget,
+            labels=None if labels is None else tuple(labels),
+            layers={layer: self.layer_rows(layer, pos) for layer in self.layers} if self.layers else None,
+            probe=self._probe(seq, int(pos[-1]) + 1 if pos.size else 0),
         )
         scores = np.asarray(self.policy.score(view), dtype=np.float64)
         if scores.shape != (len(view),):
@@ -158,6 +226,7 @@ class Evictor:
         wanted = set(pos[kept].tolist())
         wanted |= {p - 1 for p in wanted}
         self._hidden = {p: h for p, h in self._hidden.items() if p in wanted}
+        self._layer_rows = {layer: {p: h for p, h in rows.items() if p in wanted} for layer, rows in self._layer_rows.items()}
         self._tokens = {p: t for p, t in self._tokens.items() if p in wanted}
         self._seen = set(pos[kept].tolist())
         self.policy.kept(pos[kept])
@@ -183,23 +252,34 @@ class Evictor:
 
     def hidden_rows(self, positions: np.ndarray) -> np.ndarray:
         """``[n, n_embd]`` recorded H^(L-1) rows for ``positions``; NaN rows where none was recorded."""
-        rows = [self._hidden.get(p) for p in positions.tolist()]
-        width = next((r.shape[0] for r in rows if r is not None), 0)
-        if not width:
-            return np.full((len(rows), 1), np.nan, dtype=np.float32)
-        out = np.full((len(rows), width), np.nan, dtype=np.float32)
-        for i, r in enumerate(rows):
-            if r is not None:
-                out[i] = r
-        return out
+        return _rows(self._hidden, positions)
+
+    def layer_rows(self, layer: int, positions: np.ndarray) -> np.ndarray:
+        """``[n, n_embd]`` recorded input states of ``layer`` (one of :attr:`layers`) for ``positions``; NaN rows
+        where none was recorded."""
+        return _rows(self._layer_rows[layer], positions)
 
     def adopt(self, other: Evictor) -> None:
-        """Take over what ``other`` recorded (hidden states, tokens, token texts; shallow copies of its
-        dicts), for a sequence that got ``other``'s cells by ``seq_cp``: the benchmark decodes a prefix
-        shared by several policies once. Cycles, seen positions and the policy's state are not copied."""
+        """Take over what ``other`` recorded (hidden states, layer inputs, tokens, token texts; shallow copies of
+        its dicts), for a sequence that got ``other``'s cells by ``seq_cp``: the benchmark decodes a prefix shared
+        by several policies once. Cycles, seen positions and the policy's state are not copied."""
         self._hidden = dict(other._hidden)
+        self._layer_rows = {layer: dict(other._layer_rows.get(layer, {})) for layer in self.layers}
         self._tokens = dict(other._tokens)
         self._texts = dict(other._texts)
+
+
+def _rows(recorded: Mapping[int, np.ndarray], positions: np.ndarray) -> np.ndarray:
+    """``[n, width]`` the rows ``recorded`` holds for ``positions``; NaN rows where it holds none."""
+    rows = [recorded.get(p) for p in positions.tolist()]
+    width = next((r.shape[0] for r in rows if r is not None), 0)
+    if not width:
+        return np.full((len(rows), 1), np.nan, dtype=np.float32)
+    out = np.full((len(rows), width), np.nan, dtype=np.float32)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i] = r
+    return out
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:

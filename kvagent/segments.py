@@ -188,7 +188,8 @@ class Segment:
 
 @dataclass(frozen=True)
 class Span:
-    """Positions ``first..last`` (inclusive) of the cache hold segment ``segment_id``."""
+    """Positions ``first..last`` (inclusive) of the cache hold segment ``segment_id``; ``label`` names what the
+    segment is for eviction's per-segment budgets (:func:`segment_label`)."""
 
     segment_id: str
     kind: SegmentKind
@@ -196,6 +197,7 @@ class Span:
     last: int
     pinned: bool
     priority: int = 0
+    label: str = ""
 
     @property
     def length(self) -> int:
@@ -332,8 +334,20 @@ class Renderer:
             if len(tokens) - 1 < first and seg.complete:
                 raise SegmentOrderError(f"segment {seg.id!r} renders to no tokens; give it some text")
             # an unfinished turn may be empty (plain text has no generation prompt): an empty span
-            spans.append(Span(seg.id, seg.kind, first, len(tokens) - 1, bool(seg.pinned), seg.priority))
+            spans.append(Span(seg.id, seg.kind, first, len(tokens) - 1, bool(seg.pinned), seg.priority, segment_label(seg)))
         return Rendered(tuple(tokens), tuple(spans))
+
+
+TOOL_RESULT_OPEN = "<tool_response"  # how kvagent.tools.format writes a tool's result (a user-role turn)
+
+
+def segment_label(seg: Segment) -> str:
+    """What a segment is, for per-segment eviction budgets: ``"tool"`` for a tool's result (a user turn opening with
+    ``<tool_response``), ``"user"`` / ``"assistant"`` for other turns, else the kind (``"memory"``, ``"policy"``,
+    ``"skill"``, ``"field"``, ``"erratum"``)."""
+    if seg.kind is SegmentKind.TURN:
+        return "tool" if seg.role == "user" and seg.text.startswith(TOOL_RESULT_OPEN) else seg.role
+    return seg.kind.value
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -83,5 +83,46 @@ def bootstrap_perplexity_interval(nll: Sequence[np.ndarray], block: int = 64, re
     return float(low), float(high)
 
 
-__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "machine", "mcnemar_exact", "median", "wilson_interval",
-           "write_json"]
+def cluster_bootstrap_interval(groups: Sequence[Sequence[bool]], reps: int = 2000, seed: int = 0,
+                               confidence: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval ``(low, high)`` for the share of successes when they come in correlated
+    ``groups`` (the questions of one context): contexts are resampled with replacement, each bringing all its
+    answers. Seeded; ``(nan, nan)`` without answers."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    _z(confidence)
+    hits = np.array([sum(bool(x) for x in g) for g in groups], dtype=np.float64)
+    sizes = np.array([len(g) for g in groups], dtype=np.float64)
+    if not sizes.sum():
+        return float("nan"), float("nan")
+    pick = np.random.default_rng(seed).integers(0, hits.size, size=(reps, hits.size))
+    share = hits[pick].sum(axis=1) / np.maximum(sizes[pick].sum(axis=1), 1)
+    low, high = np.quantile(share, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
+def paired_ratio_interval(groups: Sequence[tuple[Sequence[bool], Sequence[bool]]], reps: int = 2000, seed: int = 0,
+                          confidence: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval ``(low, high)`` for ``successes(a) / successes(b)`` over paired ``groups``
+    (per context: its answers under ``a`` and under ``b``, the reference): contexts are resampled with replacement,
+    each bringing both its answer sets. Seeded; resamples where ``b`` has no success are left out; ``(nan, nan)``
+    when none is left."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    _z(confidence)
+    a = np.array([sum(bool(x) for x in g) for g, _ in groups], dtype=np.float64)
+    b = np.array([sum(bool(x) for x in g) for _, g in groups], dtype=np.float64)
+    if not a.size:
+        return float("nan"), float("nan")
+    pick = np.random.default_rng(seed).integers(0, a.size, size=(reps, a.size))
+    den = b[pick].sum(axis=1)
+    ok = den > 0
+    if not ok.any():
+        return float("nan"), float("nan")
+    ratio = a[pick].sum(axis=1)[ok] / den[ok]
+    low, high = np.quantile(ratio, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
+__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "cluster_bootstrap_interval", "machine", "mcnemar_exact", "median",
+           "paired_ratio_interval", "wilson_interval", "write_json"]

@@ -47,6 +47,7 @@ class Stream:
         self.backend, self.seq, self.evictor, self.chunk, self.cycles = backend, seq, evictor, chunk, cycles
         self.tokens: dict[int, int] = {}
         self.pinned: set[int] = set()
+        self.labels: dict[int, str] = {}  # segment label per position (per-segment budgets); "" where unknown
         self.cycle_ms: list[float] = []
         self.kept: list[tuple[int, ...]] = []  # the positions left after each cycle
         self.next_pos = 0
@@ -73,7 +74,8 @@ class Stream:
         if self.evictor is None or not self.cycles or not self.evictor.due(len(self.tokens)):
             return
         cells = sorted(self.tokens)
-        report = self.evictor.cycle(self.seq, [self.tokens[p] for p in cells], cells, [p in self.pinned for p in cells])
+        report = self.evictor.cycle(self.seq, [self.tokens[p] for p in cells], cells, [p in self.pinned for p in cells],
+                                    labels=[self.labels.get(p, "") for p in cells])
         for p in report.evicted:
             del self.tokens[p]
         self.cycle_ms.append(report.cycle_ms)
@@ -88,5 +90,6 @@ class Stream:
             evictor.adopt(self.evictor)
         other = Stream(self.backend, seq, evictor, self.chunk)
         other.tokens, other.pinned, other.next_pos = dict(self.tokens), set(self.pinned), self.next_pos
+        other.labels = self.labels
         other.cycle_if_due()
         return other

@@ -158,11 +158,29 @@ def bench_evict(
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/evict.json)."),
     tasks: str = typer.Option("retention,perplexity,overhead,latency",
                               help="Tasks to run, comma-separated; the JSON keeps the other tasks' rows."),
+    suite: str = typer.Option("books", help="'books': the shipped books' cloze (the tasks above); 'heldout': agent "
+                              "conversations, tool logs and documents in the chat format (kvagent.bench.evict_heldout)."),
+    split: str = typer.Option("test", help="Held-out split: 'calibration' (tune on it) or 'test' (quote it)."),
+    contexts: int = typer.Option(24, help="Held-out contexts (3 questions each)."),
+    dialogues: int = typer.Option(2, help="Held-out long conversations decoded under eviction (3-4 questions each)."),
+    policies: str = typer.Option(None, help="Held-out policies, comma-separated (default: the calibration "
+                                 "candidates on --split calibration, the chosen set on test)."),
+    budgets: str = typer.Option("0.25", help="Held-out budgets (shares of the context), comma-separated."),
+    peer: str = typer.Option(None, help="'kvpress': also run NVIDIA kvpress's presses on the same cases "
+                             "(pip install 'kvagent[kvpress]')."),
+    start: int = typer.Option(0, help="First held-out context (to split a run)."),
+    threads: int = typer.Option(1, help="llama.cpp threads for the held-out suite (1 is fastest on a busy machine)."),
 ) -> None:
     """Eviction policies: fact retention, streaming perplexity, per-cycle latency, decode overhead (counter-causal
-    surprise: "Back from the Future", Gould and van den Hengel, 2026)."""
+    surprise: "Back from the Future", Gould and van den Hengel, 2026); with --suite heldout, the held-out agent
+    cases next to the full cache (and --peer kvpress)."""
     from kvagent.bench import evict
 
+    if suite == "heldout":
+        _bench_evict_heldout(model, split, contexts, dialogues, policies, budgets, peer, json_path, start, threads)
+        return
+    if suite != "books":
+        raise typer.BadParameter(f"unknown suite {suite!r}: use books or heldout", param_hint="--suite")
     json_path = json_path or evict.DEFAULT_JSON
     chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if set(chosen) - set(evict.TASKS):
@@ -185,6 +203,43 @@ def bench_evict(
         ("model", "task", "policy", "budget / n", "score [95% CI]", "ms per cycle"),
         [[r["model"], r["task"], r["policy"], str(r["budget"] if r["task"] != "latency" else r["n"]), fmt(r),
           f"{r['cycle_ms']:.1f}" if r.get("cycle_ms") is not None else "-"] for r in rows],
+    )
+
+
+def _bench_evict_heldout(model: str | None, split: str, contexts: int, dialogues: int, policies: str | None,
+                         budgets: str, peer: str | None, json_path: Path | None, start: int, threads: int) -> None:
+    from kvagent.bench import evict_agent
+    from kvagent.bench.common import RESULTS_DIR
+    from kvagent.bench.evict_heldout import SPLITS
+    from kvagent.policies import POLICIES
+
+    if split not in SPLITS:
+        raise typer.BadParameter(f"unknown split {split!r}: use {', '.join(SPLITS)}", param_hint="--split")
+    if peer not in (None, "kvpress"):
+        raise typer.BadParameter(f"unknown peer {peer!r}: use kvpress", param_hint="--peer")
+    if peer:
+        from kvagent.bench.evict_peer import _kvpress
+
+        _kvpress()  # a missing kvpress is named with its install command before anything runs
+    default = evict_agent.CALIBRATION_POLICIES if split == "calibration" else evict_agent.TEST_POLICIES
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip()) if policies else default
+    known = set(POLICIES) | set(evict_agent.calibration_variants())
+    unknown = [p for p in chosen if p not in known]
+    if unknown:
+        raise typer.BadParameter(f"unknown policies {unknown}: use {', '.join(sorted(known))}", param_hint="--policies")
+    shares = tuple(float(b) for b in budgets.split(","))
+    json_path = json_path or RESULTS_DIR / f"evict-heldout-{split}.json"
+    with console.status("held-out eviction benchmark") as status:
+        rows = evict_agent.run_heldout(model_names(model), split, contexts, dialogues, chosen, shares, json_path,
+                                       command_line(), peer=bool(peer), progress=lambda m: status.update(m),
+                                       threads=threads, start=start)
+    evict_agent.plot(rows, json_path.with_suffix(".png"))
+    print_table(
+        f"held-out eviction ({json_path})",
+        ("model", "task", "policy", "budget", "accuracy [95% CI]", "x full", "answer kept", "questions"),
+        [[r["model"], r["task"], r["policy"], str(r["budget"]), f"{r['score']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]",
+          f"{r['ratio']:.2f}" if r.get("ratio") is not None else "-",
+          f"{r['answer_kept']:.2f}" if r.get("answer_kept") is not None else "-", str(r["n"])] for r in rows],
     )
 
 

@@ -259,9 +259,11 @@ class CachedSequence:
             return None
         pinned_at = {p for span in rendered.spans if span.pinned for p in range(span.first, span.last + 1)}
         priority_at = {p: span.priority for span in rendered.spans if span.priority for p in range(span.first, span.last + 1)}
+        label_at = {p: span.label for span in rendered.spans for p in range(span.first, span.last + 1)}
         positions = self.cached_positions
         report = ev.cycle(self.seq, [self._tokens[p] for p in positions], positions, [p in pinned_at for p in positions],
-                          [priority_at.get(p, 0) for p in positions] if priority_at else None)
+                          [priority_at.get(p, 0) for p in positions] if priority_at else None,
+                          [label_at.get(p, "") for p in positions])
         self._evicted = self._evicted | frozenset(report.evicted)
         self.publish()
         return report

@@ -7,13 +7,16 @@ from typing import Callable
 
 from kvagent.errors import EvictionError
 from kvagent.policies.attention import HeavyHitters, ImportanceSampling, LatestQuery
-from kvagent.policies.base import CacheView, EvictionPolicy, KeepSinks, select_keep
+from kvagent.policies.base import CacheView, EvictionPolicy, KeepSinks, Wrapper, select_keep
+from kvagent.policies.compose import RankMix, Recent, Shares
 from kvagent.policies.incremental import IncrementalSurprise
+from kvagent.policies.reconstruction import Reconstruction
 from kvagent.policies.simple import RandomScores, Recency
 from kvagent.policies.spans import Spans
 from kvagent.policies.surprise import FastSurprise, FullSurprise
 
 SINKS = 4  # first tokens every policy keeps (StreamingLLM's attention sinks)
+HYBRID_SHARE = 0.1  # the recent window's share of the hybrid's room (chosen on the calibration split)
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     # "surprise": span-level (sentences cut from the token texts, ranked by their most surprising token and
@@ -39,6 +42,13 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "tova-span": lambda: KeepSinks(Spans(LatestQuery(), "sentence", "max", name="tova-span"), SINKS),
     "importance": lambda: KeepSinks(ImportanceSampling(), SINKS),
     "random": lambda: KeepSinks(RandomScores(), SINKS),
+    # reconstruction after KVzip (Kim et al., 2025): the cached context replayed behind "repeat the previous
+    # context", each cell scored by the largest attention a replay query gives it
+    "kvzip": lambda: KeepSinks(Reconstruction(), SINKS),
+    # a recent window (StreamingLLM) of HYBRID_SHARE of the room beside span-level surprise for the rest; the
+    # share was chosen on the held-out calibration split (BENCHMARKS.md, "Held-out eviction")
+    "hybrid": lambda: KeepSinks(Recent(Spans(IncrementalSurprise(), "sentence", "max", name="surprise"), HYBRID_SHARE,
+                                       name="hybrid"), SINKS),
 }
 
 
@@ -55,5 +65,5 @@ def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
 __all__ = [
     "CacheView", "EvictionPolicy", "KeepSinks", "select_keep", "get_policy", "POLICIES", "FastSurprise",
     "FullSurprise", "IncrementalSurprise", "HeavyHitters", "ImportanceSampling", "LatestQuery", "Recency", "RandomScores",
-    "Spans",
+    "RankMix", "Recent", "Reconstruction", "Shares", "Spans", "Wrapper",
 ]

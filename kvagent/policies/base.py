@@ -11,6 +11,7 @@ instance per session and learn what was kept through :meth:`EvictionPolicy.kept`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,14 @@ class CacheView:
     n_embd]`` the hidden state recorded at position ``p - 1`` of each cell (NaN where none), kept by the
     Evictor even after ``p - 1`` was evicted, so the counter-causal pass can score ``x_p`` from the
     state that predicts it; ``previous: [n]`` int64 the token at ``p - 1`` (-1 where unknown);
-    ``texts``: each cell's token text (UTF-8, invalid bytes replaced), for span-level policies.
+    ``texts``: each cell's token text (UTF-8, invalid bytes replaced), for span-level policies; ``budget``: the
+    cells the cycle keeps (J); ``labels``: each cell's segment label (:func:`kvagent.segments.segment_label`:
+    ``"tool"``, ``"memory"``, ``"user"``, ...), for per-segment budgets; ``layers``: ``{layer: [n, n_embd]}`` the
+    input hidden state of each layer the policy asked for (:meth:`EvictionPolicy.input_layers`; NaN rows where
+    none was captured); ``probe(tokens, prompt="")``: for a policy that ``needs_probe``, decodes ``prompt``'s tokens
+    then ``tokens`` after the cache in a throwaway copy of the sequence (positions ``positions[-1] + 1, ...``; the
+    session's cells are not touched) and returns ``{layer: [n_prompt + len(tokens), n_embd]}`` their input hidden
+    states of the same layers (None where the engine lends no scratch sequence).
     """
 
     tokens: np.ndarray
@@ -42,6 +50,10 @@ class CacheView:
     query_hidden: np.ndarray | None = None
     previous: np.ndarray | None = None
     texts: tuple[str, ...] | None = None
+    budget: int | None = None
+    labels: tuple[str, ...] | None = None
+    layers: Mapping[int, np.ndarray] | None = None
+    probe: Callable[[Sequence[int], str], Mapping[int, np.ndarray]] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.size)
@@ -49,10 +61,11 @@ class CacheView:
 
 class EvictionPolicy:
     """Scores cached tokens; subclasses implement :meth:`score`. ``needs_hidden``: the policy reads
-    ``view.hidden`` (the engine must capture the penultimate layer)."""
+    ``view.hidden`` (the engine must capture the penultimate layer); ``needs_probe``: it calls ``view.probe``."""
 
     name = "policy"
     needs_hidden = False
+    needs_probe = False
 
     def score(self, view: CacheView) -> np.ndarray:  # pragma: no cover - abstract
         """``[len(view)]`` float scores, higher = keep."""
@@ -61,25 +74,45 @@ class EvictionPolicy:
     def kept(self, positions: np.ndarray) -> None:
         """Told after each cycle which positions survived (ascending); stateful policies prune here."""
 
+    def input_layers(self, n_layer: int, model_path: Path) -> tuple[int, ...]:
+        """Layers ``1 .. n_layer - 1`` whose input hidden states the policy reads in ``view.layers`` (and gets from
+        ``view.probe``); the Evictor captures them. None by default."""
+        return ()
+
     def __repr__(self) -> str:
         return self.name
 
 
-class KeepSinks(EvictionPolicy):
+class Wrapper(EvictionPolicy):
+    """A policy around ``inner``: same name, needs and layers; told what was kept. Subclasses change the scores."""
+
+    def __init__(self, inner: EvictionPolicy, name: str | None = None) -> None:
+        self.inner = inner
+        self.name = name or inner.name
+        self.needs_hidden = inner.needs_hidden
+        self.needs_probe = inner.needs_probe
+
+    def score(self, view: CacheView) -> np.ndarray:
+        return np.asarray(self.inner.score(view), dtype=np.float64)
+
+    def kept(self, positions: np.ndarray) -> None:
+        self.inner.kept(positions)
+
+    def input_layers(self, n_layer: int, model_path: Path) -> tuple[int, ...]:
+        return self.inner.input_layers(n_layer, model_path)
+
+
+class KeepSinks(Wrapper):
     """Wraps a policy and always keeps the first ``n`` cached positions (attention sinks, StreamingLLM)."""
 
     def __init__(self, inner: EvictionPolicy, n: int = 4) -> None:
-        self.inner, self.n = inner, n
-        self.name = inner.name
-        self.needs_hidden = inner.needs_hidden
+        super().__init__(inner)
+        self.n = n
 
     def score(self, view: CacheView) -> np.ndarray:
         scores = np.asarray(self.inner.score(view), dtype=np.float64).copy()
         scores[: self.n] = np.inf
         return scores
-
-    def kept(self, positions: np.ndarray) -> None:
-        self.inner.kept(positions)
 
 
 def select_keep(scores: np.ndarray, pinned: np.ndarray, budget: int, priority: np.ndarray | None = None) -> np.ndarray:

@@ -16,7 +16,7 @@ import logging
 
 import numpy as np
 
-from kvagent.policies.base import CacheView, EvictionPolicy
+from kvagent.policies.base import CacheView, EvictionPolicy, Wrapper
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def span_ranks(scores: np.ndarray, spans: np.ndarray, reduce: str = "max", k: in
     return out
 
 
-class Spans(EvictionPolicy):
+class Spans(Wrapper):
     """Wraps a scoring policy; spans (``unit``: "sentence", "clause" or "block" of ``block`` positions)
     are ranked by ``reduce`` ("max", "mean", "topk" = mean of the top ``k``) of the inner scores and kept
     or dropped whole (the last one cut at the budget). Needs the view's ``texts`` for sentence units
@@ -124,9 +124,8 @@ class Spans(EvictionPolicy):
             raise ValueError(f"unknown span reduce {reduce!r}: use one of {', '.join(REDUCES)}")
         if block < 1 or k < 1 or max_len < 1:
             raise ValueError(f"block, k and max_len must be >= 1, got {block}, {k}, {max_len}")
-        self.inner, self.unit, self.reduce, self.block, self.k, self.max_len = inner, unit, reduce, block, k, max_len
-        self.name = name or f"{inner.name}-{unit}"
-        self.needs_hidden = inner.needs_hidden
+        super().__init__(inner, name or f"{inner.name}-{unit}")
+        self.unit, self.reduce, self.block, self.k, self.max_len = unit, reduce, block, k, max_len
 
     def spans(self, view: CacheView) -> np.ndarray:
         return cut_spans(view.positions, view.texts, view.pinned, self.unit, self.block, self.max_len)
@@ -134,6 +133,3 @@ class Spans(EvictionPolicy):
     def score(self, view: CacheView) -> np.ndarray:
         scores = np.asarray(self.inner.score(view), dtype=np.float64)
         return span_ranks(scores, self.spans(view), self.reduce, self.k)
-
-    def kept(self, positions: np.ndarray) -> None:
-        self.inner.kept(positions)

@@ -298,6 +298,11 @@ CASES = [
     pytest.param(Case(S, "importance", 700)),
     pytest.param(Case(S, "surprise", 700, replay=True)),
     pytest.param(Case(S, "surprise-token", 700)),
+    # the composed and reconstruction policies (issue 23): the hybrid (window + span-level surprise) replayed; the
+    # reconstruction probe decodes in a scratch sequence, which moves where later cells land in the pool, so its
+    # session is not replayed bit for bit
+    pytest.param(Case(S, "hybrid", 700, replay=True)),
+    pytest.param(Case(S, "kvzip", 700)),
     pytest.param(Case(G, "window", 700, replay=True)),
     pytest.param(Case(G, "random", 700)),
     # scattered evictions on Gemma-3 replayed (its sliding-window cache, see pristine()): 400 prompt tokens, 2
@@ -316,6 +321,8 @@ CASES = [
     pytest.param(Case(G, "surprise", 700, replay=True), marks=pytest.mark.slow),
     pytest.param(Case(S, "surprise-full", 700, replay=True), marks=pytest.mark.slow),
     pytest.param(Case(G, "surprise-full", 700), marks=pytest.mark.slow),
+    pytest.param(Case(G, "hybrid", 330, replay=True), marks=pytest.mark.slow),
+    pytest.param(Case(G, "kvzip", 700), marks=pytest.mark.slow),
 ]
 CASE_IDS = [p.values[0].id for p in CASES]
 REPLAYS = [p for p in CASES if p.values[0].replay]
@@ -629,12 +636,20 @@ def test_token_surprise_scores_a_cell_whose_predecessor_was_evicted_from_its_pre
 
 
 # --- save and restore after eviction (issue 13) ---------------------------------------------------------
-@pytest.mark.parametrize("model", MODELS)
-def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine], model: str) -> None:
+# A restored session's evictor starts without the hidden states its policy captured before the save (the blob holds
+# the KV and the tokens, not the evictor's recorded rows nor the policy's state: Sequence.restore forgets them), so a
+# policy that reads hidden states scores the restored cells differently at the next cycle. Measured: the hybrid on
+# SmolLM2, logits cosine 0.63 after a cycle during the extend. Known gap (issue 23, "nothing lost"): xfail, strict.
+NOT_RESTORED = pytest.mark.xfail(strict=True, reason="the evictor's captured states are not saved in the blob")
+
+
+@pytest.mark.parametrize(("model", "policy"), [(S, "window"), (G, "window"), pytest.param(S, "hybrid", marks=NOT_RESTORED),
+                                               pytest.param(S, "kvzip", marks=NOT_RESTORED)])
+def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine], model: str, policy: str) -> None:
     engine = engines[model]
     pristine(engine)
     segs = segments(engine, 700)
-    eviction = Eviction("window", BUDGET, CHUNK)
+    eviction = Eviction(policy, BUDGET, CHUNK)
     with engine.session(segs, eviction=eviction) as a:
         a.prefill()
         evicted = a.evicted_positions

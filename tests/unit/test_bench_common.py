@@ -84,6 +84,30 @@ def test_bootstrap_without_tokens_is_nan_and_bad_arguments_are_refused() -> None
             bootstrap_perplexity_interval([noisy(0, 64)], **kwargs)
 
 
+# --- intervals over contexts (the held-out eviction suite) ------------------------------------------------
+def test_cluster_bootstrap_interval_brackets_the_share_and_is_degenerate_when_every_context_agrees() -> None:
+    from kvagent.bench.common import cluster_bootstrap_interval
+
+    groups = [[True, True, False], [False, False, False], [True, True, True], [True, False, False]]
+    low, high = cluster_bootstrap_interval(groups)
+    assert low < 6 / 12 < high and 0 <= low and high <= 1
+    assert cluster_bootstrap_interval([[True, False]] * 5) == (0.5, 0.5)
+    assert all(np.isnan(cluster_bootstrap_interval([])))
+
+
+def test_paired_ratio_interval_resamples_contexts_with_their_reference() -> None:
+    from kvagent.bench.common import paired_ratio_interval
+
+    same = [([True, False], [True, False]), ([True, True], [True, True]), ([False], [False])]
+    assert paired_ratio_interval(same) == (1.0, 1.0)  # a policy that answers like the reference in every context
+    half = [([True, False], [True, True]), ([False, True], [True, True]), ([True, False], [True, True])]
+    assert paired_ratio_interval(half) == (0.5, 0.5)
+    mixed = [([True], [True]), ([False], [True]), ([True, True], [True, False]), ([False], [False])]
+    low, high = paired_ratio_interval(mixed)
+    assert low < 1.0 < high  # 3 / 3 overall, but the contexts disagree
+    assert all(np.isnan(paired_ratio_interval([([True], [False])])))  # the reference never answers
+
+
 @pytest.mark.parametrize(("b", "c", "p"), [
     (0, 0, 1.0),      # no discordant pair: nothing to test
     (3, 3, 1.0),      # balanced
