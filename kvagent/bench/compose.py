@@ -23,6 +23,7 @@ from kvagent.bench.common import write_json
 from kvagent.engine import Engine
 from kvagent.segments import Segment
 from kvagent.skills import SkillSpec, load_skills
+from kvagent.skills.fidelity import FidelityGuard
 from kvagent.skills.library import SkillLibrary
 from kvagent.skills.store import SkillStore
 
@@ -43,11 +44,6 @@ def skill_of_length(engine: Engine, n_tokens: int, skills_dir: Path) -> SkillSpe
             break
         text, i = candidate, i + 1
     return SkillSpec(name=f"doc-{n_tokens}", version="1", kind="document", text=text)
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    return float(a64 @ b64 / (np.linalg.norm(a64) * np.linalg.norm(b64)))
 
 
 def _run(engine: Engine, library: SkillLibrary, segments: list[Segment]) -> tuple[np.ndarray, float, list[int], int]:
@@ -115,7 +111,7 @@ def run(models: list[str], sizes: list[int], seams: list[int], skills_dir: Path,
                     logits, ttft, greedy, moved = _run(engine, library, [POLICY, *(s.segment() for s in seamed), QUESTION])
                     rows.append({
                         "model": model, "case": label, "skills": len(specs), "skill_tokens": skill_tokens, "seam": seam,
-                        "transplanted": moved, "cosine": _cosine(logits, ref_logits),
+                        "transplanted": moved, "cosine": FidelityGuard.cosine(logits, ref_logits),
                         "top1_agree": int(logits.argmax()) == int(ref_logits.argmax()),
                         "greedy_agree": _agreement(greedy, ref_greedy),
                         "ttft_transplant_s": ttft, "ttft_prefill_s": ttft_prefill, "speedup": ttft_prefill / ttft,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvagent.bench.common import RESULTS_DIR, bootstrap_perplexity_interval, median, wilson_interval, write_json
-from kvagent.bench.evict_report import plot, row
+from kvagent.bench.evict_report import breakdown, plot, row
 from kvagent.bench.evict_stream import Stream, prefix_length
 from kvagent.bench.evict_suite import RetentionCase, make_retention_cases, make_stream_texts, score_answer
 from kvagent.bench.evict_timing import latency, overhead
@@ -224,21 +224,11 @@ def retention(engine: Any, plan: Plan, seed: int, progress: Callable[[str], None
             engine.model.name, "retention", policy, budget, correct / len(answers), len(answers),
             median(cycles[policy, budget]) if cycles[policy, budget] else None, wilson_interval(correct, len(answers)),
             budget_tokens=None if budget is None else int(budget * plan.tokens), answers=answers,
-            by_band=_breakdown(answers, "band"), by_kind=_breakdown(answers, "kind"),
-            by_facts=_breakdown(answers, "facts"),
+            by_band=breakdown(answers, "band"), by_kind=breakdown(answers, "kind"),
+            by_facts=breakdown(answers, "facts"),
         ))
         log.info("retention %s %s: %d/%d", policy, budget, correct, len(answers))
     return rows
-
-
-def _breakdown(answers: list[dict[str, Any]], key: str) -> dict[str, list[int]]:
-    """``{value of key: [correct, n]}`` over the answers."""
-    out: dict[str, list[int]] = {}
-    for a in answers:
-        cell = out.setdefault(str(a[key]), [0, 0])
-        cell[0] += int(a["ok"])
-        cell[1] += 1
-    return out
 
 
 # --- perplexity ----------------------------------------------------------------------------------------------

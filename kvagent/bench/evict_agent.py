@@ -424,7 +424,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     answer's tokens still cached (``answer_kept``), accuracy by band and family (``[correct, n]``), and the
     median scoring time (``score_ms``)."""
     from kvagent.bench.common import cluster_bootstrap_interval, median, paired_ratio_interval, wilson_interval
-    from kvagent.bench.evict_report import row
+    from kvagent.bench.evict_report import breakdown, row
 
     groups: dict[tuple[str, str, str, float | None], list[dict[str, Any]]] = {}
     for r in records:
@@ -454,18 +454,9 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             cases=len(by_case), ratio=None if not reference else score / reference,
             ratio_low=ratio_ci[0], ratio_high=ratio_ci[1],
             answer_kept=float(np.mean(kept)) if kept else None,
-            by_band=_breakdown(rs, "band"), by_family=_breakdown(rs, "family"),
+            by_band=breakdown(rs, "band"), by_family=breakdown(rs, "family"),
         ))
     return rows
-
-
-def _breakdown(records: list[dict[str, Any]], key: str) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for r in records:
-        cell = out.setdefault(str(r[key]), [0, 0])
-        cell[0] += int(r["ok"])
-        cell[1] += 1
-    return out
 
 
 def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, policies: tuple[str, ...],

@@ -18,6 +18,16 @@ log = logging.getLogger(__name__)
 RATIOS = ("full/fast", "fast/prefill")  # latency rows that compare two others (score = the ratio)
 
 
+def breakdown(answers: list[dict[str, Any]], key: str) -> dict[str, list[int]]:
+    """``{value of key: [correct, n]}`` over scored answers (each with ``ok`` and ``key``)."""
+    out: dict[str, list[int]] = {}
+    for a in answers:
+        cell = out.setdefault(str(a[key]), [0, 0])
+        cell[0] += int(a["ok"])
+        cell[1] += 1
+    return out
+
+
 def row(model: str, task: str, policy: str, budget: float | None, score: float | None, n: int,
         cycle_ms: float | None, ci: tuple[float, float] | None = None, overhead_share: float | None = None,
         **extra: Any) -> dict[str, Any]:

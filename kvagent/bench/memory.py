@@ -40,6 +40,7 @@ from kvagent.engine import Engine
 from kvagent.memory import Memory, MemoryBlock
 from kvagent.segments import Segment, SegmentKind
 from kvagent.session import Session
+from kvagent.skills.fidelity import FidelityGuard
 from kvagent.skills.store import SkillStore
 
 WAYS = ("head", "recompiled", "tail")
@@ -184,11 +185,6 @@ def oracle_answers(engine: Engine, segments: Sequence[Segment], questions: Seque
         return [ask(cold, segments, q) for q in questions]
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    return float(a64 @ b64 / (np.linalg.norm(a64) * np.linalg.norm(b64)))
-
-
 def _margin(logits: np.ndarray) -> float:
     top = np.sort(logits)[-2:]
     return float(top[1] - top[0])
@@ -275,8 +271,8 @@ def summarise(model: str, way: str, runs: list[WayRun], personas: list[Persona],
         "first_token_agreement": sum(a.first == o.first for a, o in zip(ours, oracle)) / n,
         "near_ties": sum(near), "disagreements_on_near_ties": sum(not a and t for a, t in zip(agree, near)),
         "disagreements_clear": sum(not a and not t for a, t in zip(agree, near)),
-        "first_token_cosine_median": median([_cosine(a.logits, o.logits) for a, o in zip(ours, oracle)]),
-        "first_token_cosine_min": min(_cosine(a.logits, o.logits) for a, o in zip(ours, oracle)),
+        "first_token_cosine_median": median([FidelityGuard.cosine(a.logits, o.logits) for a, o in zip(ours, oracle)]),
+        "first_token_cosine_min": min(FidelityGuard.cosine(a.logits, o.logits) for a, o in zip(ours, oracle)),
     }
     if recompiled is not None and way != "recompiled":
         base_tokens = [t for r in recompiled for t in r.edit_tokens]

@@ -103,13 +103,8 @@ class SkillLibrary:
         key = self.key(sink, tokens)
         skill = CompiledSkill(name, key, tokens, seam, len(sink))
         self._by_tokens[tokens] = skill
-        if self.store.has(key):
-            entry = self.store.entry(key)
-            if entry is not None and entry.ranked:
-                skill = self._by_tokens[tokens] = replace(skill, ranked=tuple(entry.ranked))
-            elif self.recompute > 0:
-                self.rank(skill, renderer=renderer)
-            return self._by_tokens[tokens], None
+        if self.store.has(key):  # the ranking, if any, is read where a transplant needs it (chosen)
+            return skill, None
         backend = self._pool.backend
         if not backend.capabilities.state_save:
             raise SkillStoreError(f"skill {name!r} cannot be compiled: this backend cannot save a sequence's KV "
@@ -158,7 +153,11 @@ class SkillLibrary:
         if fraction <= 0:
             return ()
         if not skill.ranked:
-            skill = self.rank(skill)
+            entry = self.store.entry(skill.key)  # ranked at an earlier compile, in this process or another
+            if entry is not None and entry.ranked:
+                skill = self._by_tokens[skill.tokens] = replace(skill, ranked=tuple(entry.ranked))
+            else:
+                skill = self.rank(skill)
         return tuple(sorted(skill.ranked[: math.ceil(fraction * len(skill.tokens))]))
 
     def segment(self, spec: SkillSpec, renderer: Renderer) -> Segment:
