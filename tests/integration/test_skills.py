@@ -19,12 +19,9 @@ SHIPPED = {s.name: s for s in load_skills([Path(__file__).resolve().parents[2] /
 POLICY = Segment.policy("You are the support agent of Northwind Outdoor. Be brief.")
 QUESTION = Segment.user("Can I return a used stove?")
 # A transplanted skill's KV was computed without the prompt's prefix (here the policy), so it is an
-# approximation. Measured on this suite: SmolLM2 0.950-0.997, Gemma-3 0.990-0.9998 (seam 4); with
-# nothing before the skill but the sink it was compiled behind, 0.998-0.9999 on both. SmolLM2's lowest case
-# (two skills and a field) moves between 0.950 and 0.972 with numerical noise alone: keys re-rotated in the
-# bytes or by llama.cpp's K-shift (1 f16 ulp apart), other free cells in the pool (the same values in another
-# cell order) each move its logits by a cosine of ~0.999 against each other.
-FIDELITY = {"smollm2-135m": 0.94, "gemma3-270m": 0.985}
+# approximation. Measured on this suite: SmolLM2 0.968-0.997, Gemma-3 0.990-0.9998 (seam 4); with
+# nothing before the skill but the sink it was compiled behind, 0.998-0.9999 on both.
+FIDELITY = {"smollm2-135m": 0.96, "gemma3-270m": 0.985}
 
 
 @pytest.fixture()
