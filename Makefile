@@ -13,6 +13,12 @@ LLAMA_PATCH_ID := $(shell cat native/patches/*.patch | sha256sum | cut -c1-8)
 LLAMA_LOCAL := $(LLAMA_VERSION)+kvagent.$(LLAMA_PATCH_ID)
 LLAMA_WHEEL_DIR ?= $(HOME)/.cache/kvagent/wheels
 LLAMA_WHEEL := $(LLAMA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_LOCAL)-py3-none-linux_x86_64.whl
+# llama.cpp's own server from the same patched tree and flags, for the peer benchmark and the remote-engine tests
+# only (`make llama-server`; `make test` never builds it: those tests skip, naming this target). Cached beside
+# the wheel; kvagent finds it there by this name, or wherever $KVAGENT_LLAMA_SERVER points.
+LLAMA_SERVER_DIR ?= $(HOME)/.cache/kvagent/bin
+LLAMA_SERVER := $(LLAMA_SERVER_DIR)/llama-server-$(LLAMA_LOCAL)
+LLAMA_SERVER_JOBS ?= 2
 
 # GPU=cuda (`make demo GPU=cuda`, `make test GPU=cuda`): the same set-up with llama.cpp built for CUDA (the
 # portable CPU flags kept) into its own wheel under .wheels/cuda/, which a GPU machine with no network can
@@ -49,7 +55,7 @@ else
 $(error GPU=$(GPU): only GPU=cuda is supported)
 endif
 
-.PHONY: demo test setup clean cuda-wheel
+.PHONY: demo test setup clean cuda-wheel llama-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +64,13 @@ $(BIN)/python:
 $(LLAMA_WHEEL): | $(BIN)/python
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" bash scripts/build_llama_wheel.sh $(BIN)/pip $(LLAMA_VERSION) $(LLAMA_LOCAL) $(LLAMA_WHEEL_DIR)
 	test -f $@
+
+# a static, server-only build at low priority (no web UI, no tests): see scripts/build_llama_server.sh
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER): | $(BIN)/python
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(LLAMA_SERVER_JOBS) nice -n 19 \
+		bash scripts/build_llama_server.sh $(BIN)/pip $(LLAMA_VERSION) $@
+	test -x $@
 
 # --force-reinstall --no-deps: over an unpatched build or the CUDA variant
 $(VENV)/.llama-$(LLAMA_LOCAL): $(LLAMA_WHEEL) | $(BIN)/python
