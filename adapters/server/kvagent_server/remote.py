@@ -75,14 +75,25 @@ class RemoteEngine:
     """An OpenAI-compatible server (``base_url`` ending in ``/v1``) serving ``model`` with a context of
     ``n_ctx`` tokens. ``tokenizer``: the model's GGUF (registry name or path; exact counts), a
     :class:`~kvagent_server.tokens.TokenCounter`, or None (a tiktoken estimate). ``client``: an
-    ``httpx.Client`` to send with (proxies, TLS, event hooks); default: one made here."""
+    ``httpx.Client`` to send with (proxies, TLS, event hooks); default: one made here.
+
+    ``cache_salt``: sent as vLLM's ``cache_salt`` on every request (a non-empty string; requests with
+    different salts never share prefix-cache blocks: one salt per tenant keeps tenants' caches apart); None
+    sends none. ``extra_body``: more fields sent on every request as they are (a server's own options, e.g.
+    llama-server's ``cache_prompt``); a field kvagent sets itself (``messages``, ``max_tokens``, ...) is refused.
+    """
 
     def __init__(self, base_url: str, model: str, n_ctx: int, api_key: str | None = None, *,
                  tokenizer: str | Path | TokenCounter | None = None, timeout_s: float = 600.0,
                  erratum_template: str = DEFAULT_ERRATUM_TEMPLATE, headers: Mapping[str, str] | None = None,
-                 client: httpx.Client | None = None) -> None:
+                 client: httpx.Client | None = None, cache_salt: str | None = None,
+                 extra_body: Mapping[str, Any] | None = None) -> None:
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string (vLLM refuses an empty one), got {cache_salt!r}")
+        self.extra_body = _extra(extra_body)
+        self.cache_salt = cache_salt
         self.base_url, self.model, self.n_ctx = base_url.rstrip("/"), model, n_ctx
         self.counter = counter_for(tokenizer)
         self._owns_counter = self.counter is not tokenizer
@@ -92,9 +103,15 @@ class RemoteEngine:
         self._client.base_url = httpx.URL(self.base_url + "/")
         self._client.headers.update({**auth, **(headers or {})})
 
-    def session(self, segments: Sequence[Segment] = (), *, fields: Sequence[FieldSpec] = ()) -> RemoteSession:
-        """A conversation whose prompt is ``segments`` (validated as kvagent validates a prompt)."""
-        return RemoteSession(self, segments, fields)
+    def session(self, segments: Sequence[Segment] = (), *, fields: Sequence[FieldSpec] = (),
+                cache_key: str | None = None, extra_body: Mapping[str, Any] | None = None) -> RemoteSession:
+        """A conversation whose prompt is ``segments`` (validated as kvagent validates a prompt).
+
+        ``cache_key``: sent as OpenAI's ``prompt_cache_key`` (the session key of ``kvagent serve``; a routing
+        hint that keeps one conversation's requests on the cache that holds its prefix); None sends none.
+        ``extra_body``: fields sent on this session's requests on top of the engine's (e.g. llama-server's
+        ``id_slot``)."""
+        return RemoteSession(self, segments, fields, cache_key=cache_key, extra_body=extra_body)
 
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -126,8 +143,13 @@ class RemoteSession:
     A reply joins the prompt only once it is complete (a failed or abandoned call leaves it as it was).
     """
 
-    def __init__(self, engine: RemoteEngine, segments: Sequence[Segment], fields: Sequence[FieldSpec]) -> None:
+    def __init__(self, engine: RemoteEngine, segments: Sequence[Segment], fields: Sequence[FieldSpec], *,
+                 cache_key: str | None = None, extra_body: Mapping[str, Any] | None = None) -> None:
         self.engine = engine
+        if cache_key is not None and (not isinstance(cache_key, str) or not cache_key):
+            raise ValueError(f"cache_key must be a non-empty string, got {cache_key!r}")
+        self.cache_key = cache_key
+        self.extra_body = _extra(extra_body)
         segments = list(segments)
         if segments:
             validate_order(segments)
@@ -252,6 +274,11 @@ class RemoteSession:
                 f"context of {self.engine.n_ctx}; shorten the prompt or ask for fewer tokens (nothing was sent)")
         body: dict[str, Any] = {"model": self.engine.model, "messages": messages, "max_tokens": max_tokens}
         body.update(_sampling(**sampling))
+        body.update({**self.engine.extra_body, **self.extra_body})
+        if self.cache_key is not None:
+            body["prompt_cache_key"] = self.cache_key
+        if self.engine.cache_salt is not None:
+            body["cache_salt"] = self.engine.cache_salt
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -368,6 +395,19 @@ def _sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed
     if stop:
         out["stop"] = list(stop)
     return out
+
+
+# request fields kvagent itself sets: extra_body may not override them
+OWN_FIELDS = frozenset({"model", "messages", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k",
+                        "seed", "stop", "prompt_cache_key", "cache_salt"})
+
+
+def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    clash = sorted(OWN_FIELDS & set(extra or {}))
+    if clash:
+        raise ValueError(f"extra_body may not set {', '.join(clash)}: kvagent sets them (cache_key= and cache_salt= "
+                         "for the cache fields, sampling options on the call)")
+    return dict(extra or {})
 
 
 def _cached(use: Mapping[str, Any]) -> int | None:
