@@ -144,6 +144,7 @@ ADAPTER_COMMANDS = {
     "serve": ("the server package", "pip install -e adapters/server"),
     "chat": ("the desktop agent (the LangChain adapter with its desktop extra)", "pip install -e 'adapters/langchain[desktop]'"),
     "bench.load": ("the load benchmark (the server package)", "pip install -e adapters/server"),
+    "bench.peer": ("the llama-server comparison (the server package)", "pip install -e adapters/server"),
 }
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The server distribution's commands, registered on ``kvagent`` through the ``kvagent.cli`` entry points
-(``adapters/server/pyproject.toml``): ``kvagent serve`` and ``kvagent bench load``.
+(``adapters/server/pyproject.toml``): ``kvagent serve``, ``kvagent bench load`` and ``kvagent bench peer``.
 
 Only typer is imported here: the server (FastAPI, uvicorn) and the benchmark load inside the commands, so
 ``kvagent --help`` stays fast.
@@ -73,7 +73,12 @@ def bench_load(
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/load.json; "
                                    "load-quick.json with --quick, load-remote*.json for --target remote)."),
     target: str = typer.Option("serve", help="serve: `kvagent serve`; remote: llama-cpp-python's server through "
-                               "kvagent's remote sessions."),
+                               "kvagent's remote sessions; llama-server: llama.cpp's own server (`make llama-server`) "
+                               "through kvagent's remote sessions."),
+    slots: int = typer.Option(4, min=1, max=64, help="llama-server only: its slots (-np)."),
+    affinity: bool = typer.Option(True, "--affinity/--no-affinity", help="llama-server only: pin each agent to slot "
+                                  "agent % slots with id_slot (off: the server picks a slot by prompt similarity)."),
+    cache_reuse: int = typer.Option(0, min=0, help="llama-server only: --cache-reuse N (0: off, its default)."),
 ) -> None:
     """The online benchmark of "Models Take Notes at Prefill" (arXiv:2606.17107): errata vs in-prefix edits under Poisson load (hit rate, p90 TTFT,
     throughput as the agent arrival rate doubles), on a server started on 127.0.0.1."""
@@ -82,9 +87,16 @@ def bench_load(
     if target not in load.TARGETS:
         console.print(f"[red]error:[/] unknown target {target!r}: use one of {', '.join(load.TARGETS)}")
         raise typer.Exit(2)
+    options = {"slots": slots, "affinity": affinity, "cache_reuse": cache_reuse} if target == "llama-server" else {}
+    if target == "llama-server":
+        from kvagent_server.bench.llama_server import missing_reason
+
+        if (reason := missing_reason()) is not None:
+            console.print(f"[red]error:[/] {reason}")
+            raise typer.Exit(1)
     json_path = json_path or load.default_json(target, quick)
     with console.status("load benchmark") as status:
-        rows = load.run(target, quick, json_path, command_line(), progress=lambda m: status.update(m))
+        rows = load.run(target, quick, json_path, command_line(), progress=lambda m: status.update(m), **options)
     plot_path = json_path.with_suffix(".png")
     load.plot(rows, plot_path)
     fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
@@ -104,3 +116,46 @@ def bench_load(
     console.print(f"at {summary.get('rate', '-')} agents/s (the highest rate both arms ran): p90 TTFT inplace / "
                   f"erratum = {fmt(ratio, '.1f')}x; saturated throughput erratum / inplace = "
                   f"{fmt(summary.get('throughput_ratio'), '.1f')}x")
+
+
+def bench_peer(
+    quick: bool = typer.Option(False, help="1 conversation of 4 turns per arm and policy, 2 cold repeats, no load sweep."),
+    models: str = typer.Option("smollm2-135m,gemma3-270m", help="Comma-separated registry models."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/peer.json; "
+                                   "peer-quick.json with --quick)."),
+) -> None:
+    """kvagent serve against llama.cpp's own llama-server (`make llama-server`) on the same agent conversations:
+    per-turn TTFT and prompt tokens computed after a state change, cold prefill on the same prompt, and the Poisson
+    load of "Models Take Notes at Prefill" (arXiv:2606.17107)."""
+    from kvagent_server.bench import peer
+    from kvagent_server.bench.llama_server import missing_reason
+
+    chosen = [m.strip() for m in models.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in peer.MODELS]
+    if unknown or not chosen:
+        console.print(f"[red]error:[/] unknown model {unknown[0] if unknown else '(none)'!r}: use "
+                      f"{', '.join(peer.MODELS)}")
+        raise typer.Exit(2)
+    if (reason := missing_reason()) is not None:
+        console.print(f"[red]error:[/] {reason}")
+        raise typer.Exit(1)
+    json_path = json_path or peer.default_json(quick)
+    with console.status("peer benchmark") as status:
+        rows = peer.run(chosen, quick, json_path, command_line(), progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    peer.plot(rows, plot_path)
+    summary = peer.summarise(rows)
+    table = []
+    for model, entry in summary.items():
+        for size, arms in entry["turns"].items():
+            for arm, v in arms.items():
+                ratio = "-" if arm == peer.KVAGENT or v["ttft_ratio"] is None else f"{v['ttft_ratio']:.1f}x"
+                table.append([model, size, arm, f"{v['ttft_s'] * 1000:.0f}", f"{v['computed']:.0f}", ratio])
+    print_table(f"after a state change: median TTFT and prompt tokens computed per turn ({json_path}, {plot_path})",
+                ("model", "policy", "arm", "TTFT ms", "computed", "TTFT / kvagent's"), table)
+    for model, entry in summary.items():
+        line = (f"{model}: cold prefill kvagent {entry['cold_tokens_per_s']['kvagent']:.0f} tok/s, llama-server "
+                f"{entry['cold_tokens_per_s']['llama-server']:.0f} tok/s ({entry['cold_ratio']:.2f}x)")
+        if entry.get("throughput_ratio") is not None:
+            line += f"; saturated throughput {entry['throughput_ratio']:.1f}x llama-server's"
+        console.print(line)

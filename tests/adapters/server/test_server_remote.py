@@ -1,8 +1,10 @@
-"""Remote engines against a real third-party server on 127.0.0.1: llama-cpp-python's own
-``python -m llama_cpp.server`` with its RAM prompt cache on and request interruption off, on SmolLM2.
+"""Remote engines against real third-party servers on 127.0.0.1, on SmolLM2: llama-cpp-python's own
+``python -m llama_cpp.server`` with its RAM prompt cache on and request interruption off, and llama.cpp's own
+``llama-server`` (``make llama-server``; these cases skip, naming it, where it is not built) with ``cache_prompt``.
 
 Over 10 turns with 10 field changes, the request of turn k extends turn k-1's plus the reply byte for
-byte (what a prefix cache needs), and the local token count equals the server's ``usage.prompt_tokens``.
+byte (what a prefix cache needs), and the local token count equals the server's ``usage.prompt_tokens``;
+llama-server, which reports its cache use, reads every earlier turn's prompt from its cache.
 """
 
 from __future__ import annotations
@@ -37,6 +39,23 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def llama_cpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama.cpp's own llama-server (one slot), or a skip naming ``make llama-server``."""
+    from kvagent_server.bench.llama_server import LlamaServer, LlamaServerConfig, missing_reason
+
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with LlamaServer(LlamaServerConfig(MODEL, n_ctx=4096), tmp_path_factory.mktemp("llama_cpp_server")) as server:
+        yield server.v1
+
+
+# (server fixture, extra request fields, whether it reports cached tokens)
+SERVERS = {"llama_cpp.server": ("llama_server", {}, False),
+           "llama-server": ("llama_cpp_server", {"cache_prompt": True}, True)}
+
+
+@pytest.fixture(scope="module")
 def counter() -> Iterator[Any]:
     from kvagent_server.tokens import GGUFCounter
 
@@ -45,26 +64,36 @@ def counter() -> Iterator[Any]:
     c.close()
 
 
-def test_ten_turns_ten_field_changes_extend_byte_for_byte_and_counts_match(llama_server: str, counter: Any) -> None:
+@pytest.mark.parametrize("server", list(SERVERS))
+def test_ten_turns_ten_field_changes_extend_byte_for_byte_and_counts_match(server: str, counter: Any,
+                                                                          request: pytest.FixtureRequest) -> None:
     from kvagent import Segment
     from kvagent.fields import FieldSpec
     from kvagent_server.remote import RemoteEngine
 
+    fixture, extra, reports_cached = SERVERS[server]
+    url = request.getfixturevalue(fixture)
     bodies: list[bytes] = []
     http = httpx.Client(timeout=120, trust_env=False,
                         event_hooks={"request": [lambda request: bodies.append(request.read())]})
     specs = [FieldSpec(name="order_status", initial="processing"), FieldSpec(name="ticket", initial="T-0000")]
-    with RemoteEngine(llama_server, MODEL, n_ctx=4096, tokenizer=counter, client=http) as engine:
+    with RemoteEngine(url, MODEL, n_ctx=4096, tokenizer=counter, client=http, extra_body=extra) as engine:
         session = engine.session([Segment.policy("You are the support agent of Northwind Outdoor. Be brief."),
                                   *(s.segment() for s in specs),
                                   Segment.memory("Orders ship within two days. Returns: 30 days.")], fields=specs)
         replies: list[str] = []
+        previous = 0
         for k in range(10):
             edit = session.set("ticket" if k % 2 else "order_status", f"T-{k:04d}" if k % 2 else f"state-{k}",
                                strategy="erratum")
             assert edit.kept == edit.messages - 1  # an erratum: every earlier message is untouched
             reply = session.chat(f"Question {k}: what is the status of my order? Ünïcödé ✓", max_tokens=8)
             assert reply.server_prompt_tokens == reply.prompt_tokens, (k, reply)
+            if reports_cached:  # the whole previous request came from the slot's cache
+                assert reply.cached_tokens is not None and reply.cached_tokens >= previous, (k, reply)
+            else:
+                assert reply.cached_tokens is None
+            previous = reply.prompt_tokens
             replies.append(reply.text)
     assert len(bodies) == 10
     for k in range(1, 10):
@@ -80,11 +109,13 @@ def test_ten_turns_ten_field_changes_extend_byte_for_byte_and_counts_match(llama
         assert sent[len(sent_prev) + 1]["content"].startswith("[STATE UPDATE]")
 
 
-def test_streaming_a_remote_reply(llama_server: str, counter: Any) -> None:
+@pytest.mark.parametrize("server", list(SERVERS))
+def test_streaming_a_remote_reply(server: str, counter: Any, request: pytest.FixtureRequest) -> None:
     from kvagent import Segment
     from kvagent_server.remote import RemoteEngine
 
-    with RemoteEngine(llama_server, MODEL, n_ctx=4096, tokenizer=counter) as engine:
+    fixture, extra, _ = SERVERS[server]
+    with RemoteEngine(request.getfixturevalue(fixture), MODEL, n_ctx=4096, tokenizer=counter, extra_body=extra) as engine:
         session = engine.session([Segment.policy("Be brief.")])
         stream = session.stream(8, user="Count: one, two,")
         pieces = list(stream)

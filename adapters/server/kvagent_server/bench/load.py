@@ -8,7 +8,11 @@ server started here on 127.0.0.1:
 - ``--target serve``: ``kvagent serve`` (kvagent's own server; cached tokens reported by the server);
 - ``--target remote``: ``python -m llama_cpp.server`` (llama-cpp-python's server, RAM prompt cache on,
   request interruption off) driven through :class:`kvagent_server.remote.RemoteSession`; it reports no
-  cached tokens, so the hit rate is a client estimate (below).
+  cached tokens, so the hit rate is a client estimate (below);
+- ``--target llama-server``: llama.cpp's own ``llama-server`` (``make llama-server``) with ``--slots`` slots
+  (default 4), ``cache_prompt`` on, ``--cache-reuse`` N (default 0, off), each agent pinned to slot
+  ``agent % slots`` with ``id_slot`` unless ``--no-affinity``, driven through ``RemoteSession``; the hit
+  rate is the server's own ``usage.prompt_tokens_details.cached_tokens``.
 
 Workload. Agents arrive as a Poisson process at rate ``r`` (agents/s; exponential gaps, fixed seed). Each
 agent's prompt is a short policy, 3 fields (the same initial values for every agent), a ~1,200-token
@@ -22,10 +26,11 @@ tokens. Two arms:
 - ``inplace``: the field is rewritten where it stands (everything after it, the document included, must be
   computed again); serve: ``strategy=recompute``; remote: the field's message rewritten.
 
-Before an arm's points, one unmeasured warm-up agent runs (its turns: 6; 1 with ``--quick``) and one
-session holding the untouched prefix (policy, fields, document) stays open for the whole arm, as a prefix
-cache would keep it. ``r`` starts at the plan's rate and doubles until the completed turns/s fall below
-0.9 x the offered turns/s or the p90 TTFT exceeds 30 s.
+Before the points, one unmeasured warm-up agent runs per arm (its turns: 6; 1 with ``--quick``) and one
+session per arm holding the untouched prefix (policy, fields, document) stays open for the whole run, as a
+prefix cache would keep it. ``r`` starts at the plan's rate and doubles until the completed turns/s fall below
+0.9 x the offered turns/s or the p90 TTFT exceeds 30 s; the two arms' points alternate (erratum at r, inplace
+at r, then 2r), so both see the machine in the same state, and an arm stops where it saturates.
 
 Measures per point (one JSON row): ``ttft`` of a turn is the time from its start (turn 1: the agent's
 arrival, so it includes opening the session; later turns: the field change) to the first content token of
@@ -39,7 +44,9 @@ turns; ``reused_tokens`` = prompt tokens whose KV was not computed in that turn 
 what the field change, the session's opening and the chat request computed; remote estimate: for each
 request the longest common token prefix with one of the 12 latest requests' prompt plus reply, which is
 what llama-cpp-python's RAM cache, 512 MiB here, can restore); ``hit_rate`` = reused / prompt tokens;
-``hit_rate_source`` is ``server`` or ``client-estimate``.
+``hit_rate_source`` is ``server`` or ``client-estimate``. With llama-server, ``reused_tokens`` are its
+``cached_tokens`` (the prompt tokens whose KV it kept in the slot, restored from its host-RAM prompt cache, or
+shifted there by ``--cache-reuse``).
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ from kvagent.bench.common import RESULTS_DIR, write_json
 from kvagent.segments import common_prefix
 
 ARMS = ("erratum", "inplace")
-TARGETS = ("serve", "remote")
+TARGETS = ("serve", "remote", "llama-server")
 MODEL = "smollm2-135m"
 POLICY = ("You are the support agent of Northwind Outdoor. Answer in one short sentence, using the order "
           "state below and the customer's document.")
@@ -83,6 +90,7 @@ CACHE_ENTRIES = 12  # states of ~1.4k SmolLM2 tokens its 512 MiB budget holds (t
 LLAMA_SERVER_CACHE = ("--cache", "true", "--cache_type", "ram", "--cache_size", str(512 << 20), "--n_batch", "128",
                       "--interrupt_requests", "false", "--verbose", "false")
 KEEP_UP = 0.9
+SERVE_STRATEGY = {"erratum": "erratum", "inplace": "recompute"}  # kvagent serve's edit strategy per arm
 
 
 @dataclass(frozen=True)
@@ -274,17 +282,20 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 
 class ServeTarget:
-    """``kvagent serve`` in a child process; one kvagent session per agent."""
+    """``kvagent serve`` in a child process (``model``, ``extra`` options); one kvagent session per agent."""
 
     name, hit_source = "serve", "server"
 
-    def __init__(self, log_dir: Path, n_ctx: int = 16384, n_seq_max: int = 40) -> None:
+    def __init__(self, log_dir: Path, n_ctx: int = 16384, n_seq_max: int = 40, *, model: str = MODEL,
+                 extra: Sequence[str] = ()) -> None:
         import httpx
 
+        self.model = model
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "kvagent.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                "--model", MODEL, "--n-ctx", str(n_ctx), "--n-seq-max", str(n_seq_max), "--log-level", "warning"]
+                "--model", model, "--n-ctx", str(n_ctx), "--n-seq-max", str(n_seq_max), "--log-level", "warning",
+                *extra]
         self.proc = start_process(args, f"{self.base}/health", log_dir / "serve.log")
         self.client = httpx.AsyncClient(base_url=self.base, timeout=600, trust_env=False,
                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
@@ -316,18 +327,20 @@ class _ServeAgent:
         self.t, self.sid, self.arm = target, sid, arm
         self.pending_computed = opening_computed  # charged to the first turn
         self.messages: list[dict[str, str]] = []
+        self.strategies: list[str] = []  # the edit strategy each field change ran
 
     async def turn(self, record: TurnRecord, question: str, change: tuple[str, str], max_tokens: int) -> None:
         client = self.t.client
-        strategy = "erratum" if self.arm == "erratum" else "recompute"
+        strategy = SERVE_STRATEGY.get(self.arm)  # another arm: the session's own (auto)
         r = await client.post(f"/v1/sessions/{self.sid}/fields", json={"values": {change[0]: change[1]},
-                                                                        "strategy": strategy})
+                                                                        **({"strategy": strategy} if strategy else {})})
         if r.status_code != 200:
             raise RuntimeError(f"fields: {r.status_code} {r.text[:200]}")
+        self.strategies.append(r.json()["strategy"])
         computed = self.pending_computed + r.json()["computed"]
         self.pending_computed = 0
         self.messages.append({"role": "user", "content": question})
-        body = {"model": MODEL, "messages": self.messages, "max_tokens": max_tokens, "stream": True,
+        body = {"model": self.t.model, "messages": self.messages, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
         text, usage = [], None
         async with client.stream("POST", "/v1/chat/completions", json=body,
@@ -370,16 +383,20 @@ class RemoteTarget:
 
     def __init__(self, log_dir: Path, n_ctx: int = 4096) -> None:
         from kvagent.models import resolve_model
+
+        port = free_port()
+        args = [sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_model(MODEL).path), "--model_alias",
+                MODEL, "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), *LLAMA_SERVER_CACHE]
+        self.proc: subprocess.Popen[bytes] | None = start_process(args, f"http://127.0.0.1:{port}/v1/models",
+                                                                  log_dir / "llama_server.log")
+        self._connect(f"http://127.0.0.1:{port}/v1", n_ctx)
+
+    def _connect(self, base_url: str, n_ctx: int) -> None:
         from kvagent_server.remote import RemoteEngine
         from kvagent_server.tokens import GGUFCounter
 
-        self.port = free_port()
-        base = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_model(MODEL).path), "--model_alias",
-                MODEL, "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(n_ctx), *LLAMA_SERVER_CACHE]
-        self.proc = start_process(args, f"{base}/v1/models", log_dir / "llama_server.log")
         self.counter = GGUFCounter(MODEL)
-        self.engine = RemoteEngine(f"{base}/v1", MODEL, n_ctx=n_ctx, tokenizer=self.counter)
+        self.engine = RemoteEngine(base_url, MODEL, n_ctx=n_ctx, tokenizer=self.counter)
         self.pool = ThreadPoolExecutor(max_workers=64)
         # prompt + reply tokens of the latest requests: about what its 512 MiB RAM cache holds (~35 MB each)
         self.seen: deque[tuple[int, ...]] = deque(maxlen=CACHE_ENTRIES)
@@ -394,8 +411,16 @@ class RemoteTarget:
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
+    def session(self, index: int | None) -> Any:
+        """Agent ``index``'s remote session (None: the prefix holder)."""
+        return self.engine.session(self.segments())
+
+    def reused(self, tokens: tuple[int, ...], result: Any) -> int:
+        """Prompt tokens of a completed turn not computed in it (here the client's estimate)."""
+        return self.estimate(tokens, result.text)
+
     async def holder(self) -> Callable[[], Any]:
-        session = self.engine.session(self.segments())
+        session = self.session(None)
         await self._call(lambda: session.generate(1))  # caches the untouched prefix on the server
         self.seen.append(tuple(self.counter.tokens(session.messages()[:-1])))
         async def nothing() -> None:
@@ -403,7 +428,7 @@ class RemoteTarget:
         return nothing
 
     async def agent(self, index: int, arm: str, record: TurnRecord) -> Agent:
-        return _RemoteAgent(self, self.engine.session(self.segments()), arm)
+        return _RemoteAgent(self, self.session(index), arm)
 
     def estimate(self, tokens: tuple[int, ...], reply: str) -> int:
         reused = max((common_prefix(tokens, prev) for prev in self.seen), default=0)
@@ -414,7 +439,45 @@ class RemoteTarget:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
         self.counter.close()
-        stop_process(self.proc)
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
+class LlamaServerTarget(RemoteTarget):
+    """llama.cpp's own ``llama-server`` (``kvagent_server.bench.llama_server``, built by ``make llama-server``)
+    with ``slots`` slots of ``n_ctx`` tokens each, ``cache_prompt`` on and ``--cache-reuse cache_reuse``; a
+    ``RemoteSession`` per agent, pinned to slot ``agent % slots`` with ``id_slot`` when ``affinity``. The hit rate
+    is the server's: ``usage.prompt_tokens_details.cached_tokens`` over ``usage.prompt_tokens``."""
+
+    name, hit_source = "llama-server", "server"
+
+    def __init__(self, log_dir: Path, n_ctx: int = 4096, *, slots: int = 4, affinity: bool = True,
+                 cache_reuse: int = 0) -> None:
+        from kvagent_server.bench.llama_server import LlamaServer, LlamaServerConfig
+
+        self.slots, self.affinity, self.proc = slots, affinity, None
+        self.server = LlamaServer(LlamaServerConfig(MODEL, n_ctx=n_ctx * slots, slots=slots,
+                                                    cache_reuse=cache_reuse), log_dir)
+        try:
+            self._connect(self.server.v1, n_ctx)
+        except BaseException:
+            self.server.close()
+            raise
+
+    def session(self, index: int | None) -> Any:
+        pin = {"id_slot": index % self.slots} if self.affinity and index is not None else {}
+        return self.engine.session(self.segments(), extra_body={"cache_prompt": True, **pin})
+
+    def reused(self, tokens: tuple[int, ...], result: Any) -> int:
+        if result.cached_tokens is None:
+            raise RuntimeError("llama-server reported no prompt_tokens_details.cached_tokens")
+        return min(int(result.cached_tokens), len(tokens) - 1)
+
+    async def stop(self) -> None:
+        try:
+            await super().stop()
+        finally:
+            self.server.close()
 
 
 class _RemoteAgent:
@@ -437,7 +500,7 @@ class _RemoteAgent:
 
         result = await self.t._call(run)
         record.prompt_tokens = result.prompt_tokens
-        record.reused_tokens = self.t.estimate(tokens, result.text)
+        record.reused_tokens = self.t.reused(tokens, result)
 
     async def close(self) -> None:
         self.session.close()
@@ -501,44 +564,75 @@ async def _warmup(target: Target, arm: str, plan: Plan) -> float:
     return statistics.mean((r.end - r.start) for r in done if r.end is not None)
 
 
-async def _run(target_name: str, plan: Plan, progress: Callable[[str], None], log_dir: Path) -> list[dict[str, Any]]:
-    target: Target = ServeTarget(log_dir) if target_name == "serve" else RemoteTarget(log_dir)
+def make_target(name: str, log_dir: Path, **options: Any) -> Target:
+    """The target called ``name`` (:data:`TARGETS`); ``options`` go to :class:`LlamaServerTarget` only."""
+    if name == "serve":
+        return ServeTarget(log_dir)
+    if name == "remote":
+        return RemoteTarget(log_dir)
+    return LlamaServerTarget(log_dir, **options)
+
+
+async def sweeps(pairs: Sequence[tuple[Target, str]], plan: Plan, progress: Callable[[str], None],
+                 seeds: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """The rate sweep of every (target, arm) pair, their points alternating (pair 1 at rate r, pair 2 at r, ...,
+    then 2r), each pair stopping where it saturates; before the points, each pair's prefix holder opens and its
+    warm-up agent runs. ``seeds``: each pair's first arrival seed (point p uses seed + p; default 1000 x pair)."""
+    seeds = list(seeds) if seeds is not None else [1000 * i for i in range(len(pairs))]
+    releases, turn_s = [], []
     rows: list[dict[str, Any]] = []
     try:
-        for a, arm in enumerate(ARMS):
-            progress(f"{target_name} {arm}: warm-up")
-            release = await target.holder()
-            turn_s = await _warmup(target, arm, plan)
-            rate = plan.start_rate
-            for p in range(plan.max_points):
-                progress(f"{target_name} {arm}: {rate:g} agents/s")
-                row = await _point(target, arm, rate, plan, seed=1000 * a + p, agent_time_s=turn_s * plan.turns,
+        for target, arm in pairs:
+            progress(f"{target.name} {arm}: warm-up")
+            releases.append(await target.holder())
+            turn_s.append(await _warmup(target, arm, plan))
+        running, rate = list(range(len(pairs))), plan.start_rate
+        for p in range(plan.max_points):
+            for i in list(running):
+                target, arm = pairs[i]
+                progress(f"{target.name} {arm}: {rate:g} agents/s")
+                row = await _point(target, arm, rate, plan, seed=seeds[i] + p, agent_time_s=turn_s[i] * plan.turns,
                                    first_index=100 * (p + 1))
-                row["unloaded_turn_s"] = turn_s
+                row["unloaded_turn_s"] = turn_s[i]
                 rows.append(row)
                 if saturated(row):
-                    break
-                rate *= 2
-            await release()
+                    running.remove(i)
+            if not running:
+                break
+            rate *= 2
     finally:
-        await target.stop()
+        for release in releases:
+            await release()
     return rows
 
 
+async def _run(target_name: str, plan: Plan, progress: Callable[[str], None], log_dir: Path,
+               options: dict[str, Any]) -> list[dict[str, Any]]:
+    target = make_target(target_name, log_dir, **options)
+    try:
+        return await sweeps([(target, arm) for arm in ARMS], plan, progress)
+    finally:
+        await target.stop()
+
+
 def run(target: str, quick: bool, json_path: Path, command: str, progress: Callable[[str], None] = lambda m: None,
-        log_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Run the sweep on ``target`` (serve or remote) and write the JSON; returns the rows."""
+        log_dir: Path | None = None, **options: Any) -> list[dict[str, Any]]:
+    """Run the sweep on ``target`` (:data:`TARGETS`) and write the JSON; returns the rows. ``options``
+    (``slots``, ``affinity``, ``cache_reuse``) configure the ``llama-server`` target and are refused otherwise."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: use one of {', '.join(TARGETS)}")
+    if options and target != "llama-server":
+        raise ValueError(f"{', '.join(sorted(options))}: options of --target llama-server only")
     plan = Plan.of(quick)
     with tempfile.TemporaryDirectory(prefix="kvagent-load-") as tmp:
-        rows = asyncio.run(_run(target, plan, progress, log_dir or Path(tmp)))
-    write_json(json_path, command, rows, target=target, model=MODEL, plan=plan.__dict__, summary=compare(rows))
+        rows = asyncio.run(_run(target, plan, progress, log_dir or Path(tmp), options))
+    write_json(json_path, command, rows, target=target, model=MODEL, plan=plan.__dict__, summary=compare(rows),
+               **({"llama_server": options} if options else {}))
     return rows
 
 
 def default_json(target: str, quick: bool) -> Path:
-    name = "load" + ("-remote" if target == "remote" else "") + ("-quick" if quick else "")
+    name = "load" + ("" if target == "serve" else f"-{target}") + ("-quick" if quick else "")
     return RESULTS_DIR / f"{name}.json"
 
 
