@@ -83,11 +83,18 @@ class EngineSettings(BaseModel):
     prefill_chunk: int = Field(64, ge=1)
     """Most tokens one session prefills before the scheduler lets other sessions run (latency of
     short requests beside long prefills vs. the long prefill's own speed; see BENCHMARKS.md)."""
+    prefill_chunk_alone: int | None = Field(None, ge=1)
+    """Most tokens a prefill decodes at once while no other work is queued (None: ``prefill_chunk`` always; at
+    most ``n_ubatch``). Larger batches prefill faster on the CPU (BENCHMARKS.md, "llama-server"). Such a chunk is
+    preemptible: work that arrives meanwhile aborts it (llama.cpp's abort callback, in kvagent's native library)
+    and the prefill goes on in ``prefill_chunk`` chunks, so a short request does not wait behind it. Where the
+    backend cannot preempt (no native library, layers on a GPU) it is ignored with a warning. The cells' last
+    bits then depend on what else ran, as a batching server's do."""
 
     def backend_config(self) -> BackendConfig:
         """The backend's settings, ``n_gpu_layers`` (:func:`auto_gpu_layers`) and ``flash_attn``
         (:func:`auto_flash_attn`) resolved when left unset."""
-        config = self.model_dump(exclude={"model", "backend", "prefill_chunk"})
+        config = self.model_dump(exclude={"model", "backend", "prefill_chunk", "prefill_chunk_alone"})
         if config["n_gpu_layers"] is None:
             config["n_gpu_layers"] = auto_gpu_layers(self.backend)
         if config["flash_attn"] is None:
@@ -144,9 +151,22 @@ class Engine:
         self.backend: Backend = backend or create_backend(settings.backend, self.model.path, settings.backend_config())
         self.pool = SequencePool(self.backend)
         self.scheduler = Scheduler(self.pool)
+        self._alone_chunk = self._preemptible_chunk(settings.prefill_chunk_alone)
         self._sessions: dict[int, Session] = {}
         self._renderers: dict[tuple[bool, str], Renderer] = {}
         self._skills: SkillLibrary | None = None
+
+    def _preemptible_chunk(self, chunk: int | None) -> int | None:
+        """``prefill_chunk_alone`` where the backend can preempt a decode (at most one micro-batch, so that an
+        abort leaves the sequence as it was before the chunk); None otherwise, with a WARNING when it was set."""
+        if chunk is None:
+            return None
+        enable = getattr(self.backend, "enable_preemption", None)  # optional in the Backend protocol
+        if enable is None or not enable():
+            log.warning("prefill_chunk_alone=%d needs a backend that can preempt a decode (llama.cpp on the CPU "
+                        "with kvagent's native library): prefills keep chunks of %d", chunk, self.settings.prefill_chunk)
+            return None
+        return min(chunk, int(getattr(self.backend, "n_ubatch", chunk)))
 
     @classmethod
     def load(cls, model: str | None = None, *, backend: str | Backend | None = None, **settings: object) -> Engine:
@@ -214,7 +234,8 @@ class Engine:
         library = (lambda: skills) if skills is not None else (lambda: self.skills)
         seq = self.pool.take("a session")
         try:
-            cache = CachedSequence(self.pool, seq, evictor=evictor, chunk=self.settings.prefill_chunk, scope=scope)
+            cache = CachedSequence(self.pool, seq, evictor=evictor, chunk=self.settings.prefill_chunk, scope=scope,
+                                   alone_chunk=self._alone_chunk, alone=self.scheduler.alone)
             session = Session(
                 cache, self.scheduler, renderer, list(segments), skills=library,
                 fingerprint=self.fingerprint, on_close=self._release, fields=fields, edit_strategy=edit_strategy,

@@ -24,6 +24,11 @@ class KVCacheFullError(BackendError):
     """llama.cpp found no free KV cells for a batch (``llama_decode`` returned 1)."""
 
 
+class DecodeAborted(BackendError):
+    """A preemptible ``llama_decode`` was aborted because other work arrived (it returned 2); llama.cpp removed the
+    aborted micro-batch's positions, so the sequence holds what it held before the call."""
+
+
 class ContextOverflowError(KVAgentError):
     """A prompt or a generation does not fit in the session's context window.
 

@@ -502,6 +502,18 @@ class PythonCapture:
         self.clear()
 
 
+def preempt_callback() -> int | None:
+    """The address of ``kvc_preempt_requested`` (``native/kvcapture.c``), llama.cpp's abort callback reading a
+    flag ``int`` (``KVC_PREEMPT_REQUESTED`` = 2 aborts); built on first use like the capture. None, with a WARNING,
+    where the library cannot be built: a caller then does without preemption."""
+    try:
+        lib = _load_native_lib(build_native())
+    except (BackendError, OSError) as exc:
+        log.warning("the native library is unavailable (%s): prefill chunks cannot be preempted", exc)
+        return None
+    return ctypes.cast(lib.kvc_preempt_requested, ctypes.c_void_p).value
+
+
 def load_capture(kind: Literal["native", "python"]) -> Capture:
     """A new, enabled :class:`Capture` wanting nothing.
 

@@ -75,10 +75,18 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._name = name
+        self._current: Hashable | None = None  # the owner of the job being advanced
         self.rounds = 0  # scheduling rounds run (for tests and benchmarks)
         self.batched_tokens = 0  # decode steps decoded in shared batches
 
     # -- submitting ---------------------------------------------------------------------------------
+    def alone(self) -> bool:
+        """Whether the job being advanced is the only work there is (no other owner has a job queued, none waits
+        for the shared batch): a prefill may then take larger chunks, nobody waits behind them. Read without the
+        lock: a job that arrives as this is read waits one chunk more, as it would have anyway."""
+        current = self._current
+        return all(not q or owner == current for owner, q in list(self._queues.items()))
+
     @property
     def on_worker(self) -> bool:
         return threading.current_thread() is self._thread
@@ -93,6 +101,12 @@ class Scheduler:
             self._queues.setdefault(owner, deque()).append(job)
             self._start()
             self._cond.notify_all()
+        if self._current is not None and owner != self._current:
+            # a prefill chunk larger than the usual one may be running for another owner: stop it (it is retried
+            # in usual chunks after this job's first step; only a decode made preemptible can be stopped)
+            request = getattr(self.pool.backend, "request_preemption", None)
+            if request is not None:
+                request()
         return job
 
     def run(self, owner: Hashable, work: Work[T], *, timeout: float | None = None) -> T:
@@ -171,7 +185,11 @@ class Scheduler:
                 if job.started and self._arrived():
                     break  # new work goes first: a short request does not wait behind another chunk
                 with self.pool.lock:
-                    self._advance(job)
+                    self._current = job.owner
+                    try:
+                        self._advance(job)
+                    finally:
+                        self._current = None
             with self._cond:
                 waiting = [q[0] for q in self._queues.values() if q and q[0].pending is not None]
             if waiting:

@@ -300,3 +300,14 @@ int64_t kvc_skipped(const kvc_capture * cap, int reason) {
 
 // Graph nodes asked about (while enabled) since the last kvc_clear.
 int64_t kvc_n_asked(const kvc_capture * cap) { return cap ? cap->n_asked : 0; }
+
+// -- preemption ------------------------------------------------------------------------------------
+// llama.cpp's abort callback (ggml_abort_callback, checked before every graph node on the CPU): true when the
+// flag reads KVC_PREEMPT_REQUESTED. kvagent's scheduler arms the flag around a prefill chunk larger than its
+// usual one and requests the abort when other work arrives; llama_decode then returns 2 and removes the aborted
+// micro-batch's positions, and the prefill goes on later in smaller chunks. Read only here, written by Python.
+enum { KVC_PREEMPT_OFF = 0, KVC_PREEMPT_ARMED = 1, KVC_PREEMPT_REQUESTED = 2 };
+
+bool kvc_preempt_requested(void * flag) {
+    return flag != NULL && __atomic_load_n((const int *) flag, __ATOMIC_RELAXED) == KVC_PREEMPT_REQUESTED;
+}

@@ -15,19 +15,21 @@ that comparisons (``kvagent demo``) need no other module to import ``llama_cpp``
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import llama_cpp as C
 import numpy as np
 
 from kvagent.backends.base import BackendConfig, Capabilities
-from kvagent.errors import BackendError, KVCacheFullError
+from kvagent.errors import BackendError, DecodeAborted, KVCacheFullError
 from kvagent.kv.rotate import RopeLayout
 
 if TYPE_CHECKING:
@@ -206,6 +208,12 @@ class LlamaCppBackend:
         self.n_seq_max = cfg.n_seq_max
         self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
         self._batch = C.llama_batch_init(self.n_batch, 0, 1)
+        self.n_ubatch = int(C.llama_n_ubatch(ctx))
+        self._offloaded = cfg.n_gpu_layers != 0
+        # preemption (enable_preemption): 0 off, 1 armed around one decode, 2 abort requested; C reads it
+        self._preempt = ctypes.c_int(0)
+        self._preempt_lock = threading.Lock()
+        self._abort_cb: Any = None
         # V is stored transposed without flash attention: state saved one way cannot be restored the other
         self.format = f"llama-cpp-python {C.__version__}; kv f16; swa_full={cfg.swa_full}; v_trans={not cfg.flash_attn}"
         log.info("loaded %s: n_ctx=%d n_seq_max=%d n_swa=%d", model_path.name, self.n_ctx, self.n_seq_max, self.n_swa)
@@ -382,6 +390,45 @@ class LlamaCppBackend:
             table.append(piece)
         return table
 
+    # -- preemption -------------------------------------------------------------------------------
+    def enable_preemption(self) -> bool:
+        """Install llama.cpp's abort callback (``kvc_preempt_requested``, native code: nothing enters Python per
+        graph node) so that a decode run by :meth:`preemptible` stops when :meth:`request_preemption` is called.
+        False where it cannot: the native library does not build, or layers are offloaded (the CUDA backend
+        does not check the callback, so a chunk there always runs to its end)."""
+        self._live()
+        if self._abort_cb is not None:
+            return True
+        if self._offloaded:
+            return False
+        from kvagent.native import preempt_callback
+
+        address = preempt_callback()
+        if address is None:
+            return False
+        self._abort_cb = C.ggml_abort_callback(address)
+        C.llama_set_abort_callback(self._ctx, self._abort_cb, ctypes.cast(ctypes.byref(self._preempt), ctypes.c_void_p))
+        return True
+
+    @contextlib.contextmanager
+    def preemptible(self) -> Iterator[None]:
+        """Decodes inside may be aborted by :meth:`request_preemption` (:class:`DecodeAborted`)."""
+        with self._preempt_lock:
+            self._preempt.value = 1 if self._abort_cb is not None else 0
+        try:
+            yield
+        finally:
+            with self._preempt_lock:
+                self._preempt.value = 0
+
+    def request_preemption(self) -> bool:
+        """Abort the preemptible decode running now, if one is (thread-safe; never touches any other decode)."""
+        with self._preempt_lock:
+            if self._preempt.value == 1:
+                self._preempt.value = 2
+                return True
+        return False
+
     # -- decode -----------------------------------------------------------------------------------
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int], outputs: Sequence[bool]
@@ -414,6 +461,8 @@ class LlamaCppBackend:
                     f"llama_decode found no free KV cells for {m} tokens (pool of {self.n_ctx}): "
                     "close idle sessions, shorten prompts, or load the engine with a larger n_ctx"
                 )
+            if rc == 2 and self._preempt.value == 2:
+                raise DecodeAborted(f"llama_decode of {m} tokens was preempted by other work")
             if rc != 0:
                 raise BackendError(f"llama_decode returned {rc} ({'aborted' if rc == 2 else 'invalid batch or fatal error'})")
             for i in range(m):
@@ -482,10 +531,12 @@ class LlamaCppBackend:
             raise BackendError(f"cannot read cell positions from this llama.cpp's state format ({exc})") from exc
         return sorted(blocks[0].positions) if blocks else []
 
-    def seq_restore(self, seq: int, data: bytes) -> None:
+    def seq_restore(self, seq: int, data: bytes | bytearray) -> None:
         """Replace ``seq``'s KV by saved bytes, at the positions they were saved from."""
         ctx = self._live()
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        # a bytearray (bytes moved in place, kvagent.kv.rotate) is read where it lies: no copy of tens of MB
+        array = ctypes.c_uint8 * len(data)
+        buf = array.from_buffer(data) if isinstance(data, bytearray) else array.from_buffer_copy(data)
         if int(C.llama_state_seq_set_data(ctx, buf, len(data), seq)) == 0:
             raise BackendError(
                 f"llama_state_seq_set_data(seq={seq}) refused {len(data)} bytes: not enough free KV cells, "

@@ -485,8 +485,10 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
         write_json(json_path, command, summarize(records), records=records, split=split, budgets=list(budgets),
                    policies=list(policies))
 
-    def missing(model: str, task: str, case: HeldoutCase, names: Iterable[str], at: Iterable[float | None]) -> bool:
-        return any((model, task, case.id, name, b) not in done for name in names for b in at)
+    def missing(model: str, task: str, case: HeldoutCase, names: Iterable[str], at: Iterable[float]) -> bool:
+        """Whether a record of ``case`` is missing: the full cache's (budget None) or a policy's at a budget."""
+        wanted = [("full", None), *((name, b) for name in names for b in at)]
+        return any((model, task, case.id, name, b) not in done for name, b in wanted)
 
     for model in models:
         from kvagent.engine import Engine
@@ -496,14 +498,14 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
             count = lambda s: len(engine.backend.tokenize(s, special=False))  # noqa: E731
             cases = make_cases(split, contexts, count, start=start)
             for i, case in enumerate(cases):
-                if not missing(name, "heldout", case, ("full", *policies), budgets):
+                if not missing(name, "heldout", case, policies, budgets):
                     continue
                 progress(f"{name} held-out {case.id} ({i + 1}/{len(cases)}, {case.tokens} tokens)")
                 got = once(engine, case, policies, budgets, variants=calibration_variants())
                 records += [{"model": name, "task": "heldout", **r} for r in got]
                 save()
             for i, case in enumerate(make_dialogues(split, dialogues, count)):
-                if not missing(name, "dialogue", case, ("full", *policies), [None]):
+                if not missing(name, "dialogue", case, policies, budgets[:1]):
                     continue
                 progress(f"{name} dialogue {case.id} ({i + 1}/{dialogues}, {case.tokens} tokens)")
                 got = dialogue(engine, case, policies, budgets[0], variants=calibration_variants(shared=False))

@@ -61,6 +61,17 @@ def presses(ratio: float, arch: str) -> dict[str, Any]:
     return out
 
 
+class _LayerRotary:
+    """A rotary embedding bound to one layer type (Gemma-3's takes it as an argument; presses call ``(x, pos)``)."""
+
+    def __init__(self, inner: Any, layer_type: str) -> None:
+        self.inner, self.layer_type = inner, layer_type
+        self.inv_freq = getattr(inner, f"{layer_type}_inv_freq")
+
+    def __call__(self, x: Any, position_ids: Any) -> Any:
+        return self.inner(x, position_ids, self.layer_type)
+
+
 REPLAYS = ("kvzip", "kvzip+")  # presses that run their own passes (a context manager around the prefill)
 
 
@@ -82,6 +93,13 @@ class Peer:
             AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name).save_pretrained(tokenizer_dir)
             self.model.config.save_pretrained(tokenizer_dir)
         self.model.config.name_or_path = str(tokenizer_dir)
+        # presses read the rotary embedding from the attention module (kvpress's own context manager sets it);
+        # Gemma-3's embedding takes the layer type, and only its full-attention layers are compressed
+        rotary = self.model.model.rotary_emb
+        if getattr(self.model.config, "layer_types", None):
+            rotary = _LayerRotary(rotary, "full_attention")
+        for layer in self.layers:
+            layer.self_attn.rotary_emb = rotary
         self.arch = "llama" if type(self.model).__name__.startswith("Llama") else self.model.config.model_type
         self.eos = self.model.generation_config.eos_token_id
         self.eos = set(self.eos if isinstance(self.eos, list) else [self.eos])

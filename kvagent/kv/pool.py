@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 from kvagent.backends.base import Backend
 from kvagent.errors import KVAgentError
 from kvagent.kv.prefix import PrefixIndex
-from kvagent.kv.rotate import RopeLayout, shift_saved
+from kvagent.kv.rotate import MoveCollision, RopeLayout, shift_saved
 
 log = logging.getLogger(__name__)
 _UNSET = object()
@@ -82,18 +82,19 @@ class SequencePool:
             finally:
                 self.release(seq)
 
-    def moved_state(self, payload: bytes, start: int, delta: int) -> bytes | None:
+    def moved_state(self, payload: bytes, start: int, delta: int) -> bytearray | None:
         """``payload`` (a saved sequence) with its cells from position ``start`` on moved by ``delta`` and their
-        keys re-rotated in the bytes (``kvagent.kv.rotate``); None where the backend's RoPE is not known, the
-        move is backwards, or the bytes are not in the layout it expects (the caller then uses ``seq_add``)."""
-        if delta < 0:
-            return None
+        keys re-rotated in the bytes (``kvagent.kv.rotate``); None where the backend's RoPE is not known, a move
+        back would land on kept cells, or the bytes are not in the layout it expects (the caller then uses
+        ``seq_add``)."""
         if self._rope is _UNSET:
             self._rope = self.backend.rope_layout()
         if self._rope is None:
             return None
         try:
             return shift_saved(payload, start, delta, self._rope)
+        except MoveCollision:  # this payload only: the layout is fine
+            return None
         except ValueError as exc:
             log.warning("re-rotating a saved sequence in its bytes failed (%s): shifting it with seq_add", exc)
             self._rope = None

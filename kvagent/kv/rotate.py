@@ -27,6 +27,10 @@ import numpy as np
 from kvagent.kv.state import read_blocks
 
 
+class MoveCollision(ValueError):
+    """A move back would land cells on positions the payload keeps (or below 0): this payload cannot move so."""
+
+
 @dataclass(frozen=True)
 class RopeLayout:
     """How a model's saved keys are rotated.
@@ -58,27 +62,38 @@ def _angles(delta: int, base: float, scale: float, n_rot: int) -> tuple[np.ndarr
 
 
 def _rotate(rows: np.ndarray, delta: int, base: float, scale: float, layout: RopeLayout) -> np.ndarray:
-    """``rows: [cells, n_head_kv * head_dim]`` f16 keys rotated by ``delta`` positions; returns f16."""
+    """``rows: [cells, n_head_kv * head_dim]`` f16 keys rotated by ``delta`` positions; returns f16.
+
+    The same products as ggml's ``x1 * cos - x2 * sin``, ``x1 * sin + x2 * cos`` in float32: in NORM mode as one
+    complex multiplication of each adjacent pair (a view, no strided copies), in NEOX mode on the two halves."""
     n, width = rows.shape
     heads = rows.astype(np.float32).reshape(n, width // layout.head_dim, layout.head_dim)
     half = layout.n_rot // 2
     cos, sin = _angles(delta, base, scale, layout.n_rot)
     if layout.style == "norm":
-        x1, x2 = heads[..., 0 : layout.n_rot : 2], heads[..., 1 : layout.n_rot : 2]
-        r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-        heads[..., 0 : layout.n_rot : 2], heads[..., 1 : layout.n_rot : 2] = r1, r2
+        turn = (cos + 1j * sin).astype(np.complex64)
+        if layout.n_rot == layout.head_dim:
+            heads.view(np.complex64)[...] *= turn
+        else:
+            part = np.ascontiguousarray(heads[..., : layout.n_rot])
+            part.view(np.complex64)[...] *= turn
+            heads[..., : layout.n_rot] = part
     else:
         x1, x2 = heads[..., :half].copy(), heads[..., half : layout.n_rot].copy()
         heads[..., :half], heads[..., half : layout.n_rot] = x1 * cos - x2 * sin, x1 * sin + x2 * cos
     return heads.reshape(n, width).astype(np.float16)
 
 
-def shift_saved(payload: bytes, start: int, delta: int, layout: RopeLayout) -> bytes:
+def shift_saved(payload: bytes, start: int, delta: int, layout: RopeLayout) -> bytearray:
     """``payload`` with every cell at position ``>= start`` moved by ``delta``: its position rewritten and its
     keys re-rotated in every layer. Cells below ``start`` are kept as they are.
 
+    A move back (``delta < 0``) is allowed where no kept cell lies in ``[start + delta, start)`` and no position
+    would fall below 0 (a splice moving the run after a field that got shorter: the bytes hold only that run).
+
     Raises :class:`ValueError` where the bytes do not have the layout ``kvagent.kv.state.read_blocks`` reads
-    (another llama.cpp state format, quantized keys) or another count of caches or layers than ``layout``'s.
+    (another llama.cpp state format, quantized keys) or another count of caches or layers than ``layout``'s,
+    or :class:`MoveCollision` (a ``ValueError``) where a move back would land cells on kept positions or below 0.
     """
     data = bytearray(payload)
     blocks, n_caches = read_blocks(data)
@@ -88,18 +103,22 @@ def shift_saved(payload: bytes, start: int, delta: int, layout: RopeLayout) -> b
         layers = layout.caches[block.cache]
         if len(block.layers) != len(layers):
             raise ValueError(f"a KV cache block has {len(block.layers)} layers, the model's layout says {len(layers)}")
-        moved = np.array([p >= start for p in block.positions])
+        if delta < 0 and any(start + delta <= p < start or (p >= start and p + delta < 0) for p in block.positions):
+            raise MoveCollision(f"moving the cells from {start} back by {-delta} would land them on kept cells or "
+                                "below position 0")
+        moved = np.array([p >= start for p in block.positions], dtype=bool)
         if not moved.any() or not delta:
             continue
         for p, at in zip(block.positions, block.position_offsets):
             if p >= start:
                 struct.pack_into("<i", data, at, p + delta)
+        every = bool(moved.all())  # a splice's parked run, a transplant without a sink: no gather
         for i, (base, scale) in enumerate(layers):
-            keys = block.keys(data, i)
+            keys = block.keys(data, i)  # a writable view into ``data``
             if keys.shape[1] % layout.head_dim:
                 raise ValueError(f"key rows of {keys.shape[1]} values are not heads of {layout.head_dim}")
-            rotated = keys.copy()
-            rotated[moved] = _rotate(keys[moved], delta, base, scale, layout)
-            offset = block.layers[i].key_offset
-            data[offset : offset + rotated.nbytes] = rotated.tobytes()
-    return bytes(data)
+            if every:
+                keys[...] = _rotate(keys, delta, base, scale, layout)
+            else:
+                keys[moved] = _rotate(keys[moved], delta, base, scale, layout)
+    return data  # not copied again: a sequence's state is tens of MB (the backend restores from it as it is)

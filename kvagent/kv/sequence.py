@@ -18,11 +18,11 @@ sequence; scratch sequences lent by ``SequencePool.scratch`` belong to whoever b
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from kvagent.errors import KVAgentError
+from kvagent.errors import DecodeAborted, KVAgentError
 from kvagent.kv.pool import SequencePool
 from kvagent.kv.work import PAUSE, Work
 from kvagent.segments import Rendered
@@ -35,10 +35,14 @@ log = logging.getLogger(__name__)
 
 
 class CachedSequence:
-    """The KV state of one sequence id of ``pool``; ``chunk`` bounds the tokens decoded between pauses."""
+    """The KV state of one sequence id of ``pool``; ``chunk`` bounds the tokens decoded between pauses, and
+    ``alone_chunk`` (when set) those decoded while ``alone()`` says no other work waits (a first prefill at the
+    engine's speed: larger batches use the CPU better). Such a chunk is decoded preemptible (the backend's
+    ``preemptible()``): work that arrives meanwhile aborts it, and the prefill goes on in usual chunks, so a
+    short request never waits behind it. The caller enables this only on a backend that can preempt."""
 
     def __init__(self, pool: SequencePool, seq: int, *, evictor: Evictor | None = None, chunk: int = 64,
-                 scope: str = "") -> None:
+                 scope: str = "", alone_chunk: int | None = None, alone: Callable[[], bool] | None = None) -> None:
         self.pool = pool
         self.scope = scope
         """The prefix index scope (a tenant): this sequence's prefix is found only by sessions of the same scope."""
@@ -46,6 +50,9 @@ class CachedSequence:
         self.seq = seq
         self.evictor = evictor
         self.chunk = max(1, chunk)
+        self.alone_chunk = max(self.chunk, alone_chunk) if alone_chunk and alone is not None else None
+        self._alone = alone
+        self.preempted = 0  # larger chunks given up because other work arrived (for tests and benchmarks)
         # what decodes this sequence's tokens: the evictor records hidden states on the way (same signature)
         self._decoder: Backend | Evictor = evictor if evictor is not None else pool.backend
         self._tokens: tuple[int, ...] = ()
@@ -140,17 +147,37 @@ class CachedSequence:
         logits = np.zeros((0, self.backend.n_vocab), np.float32)
         s = first
         while s < end:
-            e = min(end, s + self.chunk)
+            big = self._big_chunk()
+            e = min(end, s + (big or self.chunk))
             if ev is not None:  # a chunk stops where a cycle falls due
                 e = min(e, s + ev.chunk, s + max(ev.budget + ev.chunk - self.cells, 1))
             outputs = [False] * (e - s - 1) + [want_last and e == end]
-            logits = self._decode(tokens[s:e], range(s, e), outputs)
+            if big:
+                try:
+                    with self.backend.preemptible():  # type: ignore[attr-defined]
+                        logits = self._decode(tokens[s:e], range(s, e), outputs)
+                except DecodeAborted:
+                    # other work arrived: llama.cpp removed this chunk's positions; let it run, then go on in
+                    # usual chunks (the sequence holds tokens[:s], as self.tokens says)
+                    log.debug("seq %d: a %d-token prefill chunk was preempted at position %d", self.seq, e - s, s)
+                    self.preempted += 1
+                    yield PAUSE
+                    continue
+            else:
+                logits = self._decode(tokens[s:e], range(s, e), outputs)
             self._tokens, self._logits = tuple(tokens[:e]), None
             self.maybe_cycle(rendered)
             s = e
             if s < end:
                 yield PAUSE
         return logits
+
+    def _big_chunk(self) -> int | None:
+        """The larger chunk when it applies: set, nothing else waits, and no evictor records the decode (an
+        aborted decode would leave its records half-written)."""
+        if self.alone_chunk is not None and self.evictor is None and self._alone is not None and self._alone():
+            return self.alone_chunk
+        return None
 
     def extend_decoded(self, tokens: Sequence[int]) -> None:
         """Decode ``tokens[len(self.tokens):]`` at their positions in one call, without logits, pauses or an

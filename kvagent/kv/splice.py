@@ -64,15 +64,25 @@ def splice_field(state: CachedSequence, old: Rendered, new: Rendered, index: int
     fresh = {p + delta for p in picked if last < p < n_old} | set(range(first, last + delta + 1))
     computed = 0
     with pool.scratch() as park:
+        shift = delta != 0 and last + 1 < n_old
+        moved = None
         if last + 1 < n_old:
-            if delta != 0 and pool.shares_beyond(seq, last + 1):
-                # a shift moves every sharer of a cell: give the parked run its own cells first
-                backend.seq_restore(park, state.save())
-                backend.seq_rm(park, 0, last + 1)
-            else:  # park the run by sharing its cells (no copy)
-                pool.share(seq, park, last + 1, n_old)
+            shared = pool.shares_beyond(seq, last + 1)
+            pool.share(seq, park, last + 1, n_old)  # park the run by sharing its cells (no copy)
+            if shift and (backend.capabilities.swa_keeps_all or not backend.n_swa):
+                # move the run in its saved bytes (keys re-rotated, kvagent.kv.rotate): seq_add would leave a
+                # K-shift that llama.cpp applies to the whole KV buffer at the next decode, every cell of it
+                moved = pool.moved_state(backend.seq_save(park), last + 1, delta)
+            if moved is not None or (shift and shared):
+                # the park gets cells of its own: the moved bytes, or a copy to shift (a shift moves every sharer)
+                payload = moved if moved is not None else state.save()
+                backend.seq_rm(park, 0, -1)
+                pool.cut(park, 0)
+                backend.seq_restore(park, payload)
+                if moved is None:
+                    backend.seq_rm(park, 0, last + 1)
         state.cut(first)
-        if delta != 0 and last + 1 < n_old:
+        if shift and moved is None:
             # the park is now the only holder of those cells: shifting them moves nobody else
             backend.seq_add(park, last + 1, -1, delta)
         pos = first

@@ -122,6 +122,17 @@ def equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray], only: str = "KV") 
     return bool(names) and all(np.isfinite(a[n]).all() and np.array_equal(a[n], b[n]) for n in names)
 
 
+def f16_close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], only: str = "K") -> bool:
+    """Equal to f16 rounding of the same rotation, layer by layer (kvagent re-rotates moved keys in their saved
+    bytes, in float32 as ggml does, where llama.cpp's K-shift rotates them in its graph)."""
+    names = [n for n in a if n.split(".")[1][0] in only]
+    return bool(names) and all(
+        np.isfinite(a[n]).all()
+        and float(np.abs(a[n].astype(np.float32) - b[n].astype(np.float32)).max())
+        <= 2e-3 * float(np.abs(b[n].astype(np.float32)).max())
+        for n in names)
+
+
 def rel_err(a: dict[str, np.ndarray], b: dict[str, np.ndarray], only: str = "KV") -> float:
     """The largest per-layer ``||a - b|| / ||b||`` (float64) over K and V."""
     worst = 0.0
@@ -189,7 +200,7 @@ def test_the_default_edit_splices_the_field_and_keeps_the_downstream_stale(engin
 
         # the prefix was kept
         assert equal(rows(after, prefix), rows(before, prefix))
-        # the stale cells hold the old KV: V as it was, K as it was or moved by llama.cpp's K-shift
+        # the stale cells hold the old KV: V as it was, K as it was or moved as llama.cpp's K-shift moves it
         moved = rows(before, np.asarray(downstream) - shift)
         if choice == "field_only":
             assert equal(rows(after, downstream), moved, "V")
@@ -201,8 +212,8 @@ def test_the_default_edit_splices_the_field_and_keeps_the_downstream_stale(engin
                 backend.seq_add(shifted, old.last + 1, -1, shift)
                 decode(engine, shifted, s.tokens[-1:], n)  # a decode applies the pending K-shift
                 expected = rows(kv_cells(engine, shifted), downstream)
-            assert equal(rows(after, downstream), expected, "K")
-            assert not equal(moved, expected, "K")  # the shift moved K (RoPE); V carries no position
+            assert f16_close(rows(after, downstream), expected, "K")
+            assert not f16_close(moved, expected, "K")  # the shift moved K (RoPE); V carries no position
         segments, tokens = list(s.segments), s.tokens
 
     # the positions that are not stale against a cold prefill of the edited prompt (the session closed first)

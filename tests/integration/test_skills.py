@@ -202,19 +202,23 @@ def test_transplant_without_a_free_sequence_changes_nothing(library: SkillLibrar
             assert s.tokens == tokens and len(s.segments) == 1
 
 
-def test_keys_rotated_in_the_bytes_equal_llama_cpps_k_shift(engine: Engine) -> None:
-    """A transplant moves a saved skill by re-rotating its keys in the bytes (no K-shift left pending, which
-    llama.cpp would apply to the whole buffer at the next decode): the same cells as ``seq_add`` and a decode,
-    keys equal to f16 precision, values untouched, on every layer of every cache (Gemma-3: both)."""
+@pytest.mark.parametrize(("start", "delta"), [(5, 211), (40, -7)], ids=["transplant", "splice-back"])
+def test_keys_rotated_in_the_bytes_equal_llama_cpps_k_shift(engine: Engine, start: int, delta: int) -> None:
+    """A transplant (or a splice after a field whose length changed) moves saved cells by re-rotating their keys in
+    the bytes (no K-shift left pending, which llama.cpp would apply to the whole buffer at the next decode): the
+    same cells as ``seq_add`` and a decode, keys equal to f16 precision, values untouched, on every layer of every
+    cache (Gemma-3: both). A move back holds only the cells that move, as a splice's parked run does."""
     from kvagent.kv.rotate import shift_saved
 
     backend, pool = engine.backend, engine.pool
     layout = backend.rope_layout()
     assert layout is not None
     tokens = backend.tokenize("Returns are free within 30 days of delivery for unused items. " * 6, special=False)
-    n, start, delta = len(tokens), 5, 211
+    n = len(tokens)
     with pool.lock, pool.scratch() as a, pool.scratch() as b, pool.scratch() as c:
         backend.decode(tokens, range(n), [a] * n, [False] * n)
+        if delta < 0:
+            backend.seq_rm(a, 0, start)
         payload = backend.seq_save(a)
         backend.seq_restore(b, payload)
         backend.seq_add(b, start, -1, delta)
@@ -222,7 +226,8 @@ def test_keys_rotated_in_the_bytes_equal_llama_cpps_k_shift(engine: Engine) -> N
         shifted = backend.seq_save(b)
         backend.seq_restore(c, shift_saved(payload, start, delta, layout))
         ours = backend.seq_save(c)
-        assert backend.seq_positions(c) == backend.seq_positions(b) == [*range(start), *range(start + delta, n + delta)]
+        kept = [*range(start)] if delta > 0 else []
+        assert backend.seq_positions(c) == backend.seq_positions(b) == [*kept, *range(start + delta, n + delta)]
     theirs_k, ours_k = _keys(shifted, layout), _keys(ours, layout)
     assert len(theirs_k) == len(ours_k) == sum(len(c) for c in layout.caches)
     for k1, k2 in zip(theirs_k, ours_k):

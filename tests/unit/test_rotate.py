@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from kvagent.kv.rotate import RopeLayout, shift_saved
+from kvagent.kv.rotate import MoveCollision, RopeLayout, shift_saved
 
 HEAD_DIM, HEADS = 8, 2
 
@@ -65,6 +65,7 @@ CASES = [  # style, n_rot, base, v_trans, start, delta
     ("neox", 8, 1e6, True, 0, 500),
     ("neox", 4, 10000.0, False, 3, 1),  # partial rotary dimensions: the rest of each head untouched
     ("norm", 8, 10000.0, True, 2, 0),  # no move: the bytes come back as they were
+    ("neox", 8, 10000.0, False, 5, -3),  # a move back with nothing kept below: a splice after a shorter field
 ]
 
 
@@ -72,7 +73,7 @@ CASES = [  # style, n_rot, base, v_trans, start, delta
 def test_cells_from_start_move_and_their_keys_rotate(style: str, n_rot: int, base: float, v_trans: bool, start: int,
                                                      delta: int) -> None:
     rng = np.random.default_rng(0)
-    positions = [0, 1, 2, 3, 4]
+    positions = [0, 1, 2, 3, 4] if delta >= 0 else [5, 6, 7, 8, 9]
     keys = [rng.normal(size=(5, HEADS * HEAD_DIM)).astype(np.float16) for _ in range(2)]
     values = [rng.normal(size=(5, HEADS * HEAD_DIM)).astype(np.float16) for _ in range(2)]
     payload = state(positions, keys, values, v_trans)
@@ -83,7 +84,8 @@ def test_cells_from_start_move_and_their_keys_rotate(style: str, n_rot: int, bas
     assert moved == [p + delta if p >= start else p for p in positions]
     for old, new in zip(keys, new_keys):
         expected = old.astype(np.float64)
-        expected[start:] = rotated(old[start:], delta, base, style, n_rot)
+        moving = [i for i, p in enumerate(positions) if p >= start]
+        expected[moving] = rotated(old[moving], delta, base, style, n_rot)
         np.testing.assert_allclose(new, expected, atol=4e-3, rtol=2e-3)  # f16 storage
     if delta == 0:
         assert out == payload
@@ -95,6 +97,14 @@ BAD = [
     ("a layer count the bytes do not hold", lambda p: p[:32] + struct.pack("<I", 1) + p[36:], "end early"),
     ("another cache count", lambda p: p + p[8:], "KV cache blocks"),
 ]
+
+
+@pytest.mark.parametrize(("positions", "start", "delta"), [([0, 1, 2, 3], 2, -1), ([3, 4], 3, -4)])
+def test_a_move_back_onto_kept_cells_or_below_zero_is_refused(positions: list[int], start: int, delta: int) -> None:
+    k = np.ones((len(positions), HEADS * HEAD_DIM), np.float16)
+    layout = RopeLayout("norm", HEAD_DIM, HEAD_DIM, (((1e4, 1.0), (1e4, 1.0)),))
+    with pytest.raises(MoveCollision, match="kept cells or below position 0"):
+        shift_saved(state(positions, [k, k], [k, k]), start, delta, layout)
 
 
 @pytest.mark.parametrize(("name", "damage", "match"), BAD, ids=[b[0] for b in BAD])

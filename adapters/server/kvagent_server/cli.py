@@ -41,6 +41,8 @@ def serve(
     flash_attn: bool = typer.Option(True, "--flash-attn/--no-flash-attn", help="Flash attention (on: many "
                                     "sessions share one pool, see README)."),
     park_dir: Path = typer.Option(None, help="Where parked sessions' KV is written (default: a temporary folder)."),
+    prefill_chunk_alone: int = typer.Option(512, min=0, help="Tokens a prefill alone on the engine decodes at once, "
+                                            "preempted when another request arrives (0: chunks of 64 always)."),
     log_level: str = typer.Option("info", help="uvicorn's log level."),
 ) -> None:
     """Serve OpenAI-compatible chat completions whose sessions keep their KV cache alive."""
@@ -56,7 +58,7 @@ def serve(
                               restore_unsigned=restore_unsigned, allowed_origins=tuple(allow_origin),
                               max_tokens=max_tokens, max_body_kb=max_body_kb, max_sessions=max_sessions,
                               max_in_flight=max_in_flight, max_parked_mb=max_parked_mb, skills_dir=skills,
-                              park_dir=park_dir)
+                              park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None)
         run(config, log_level=log_level)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}"
@@ -123,6 +125,10 @@ def bench_peer(
     models: str = typer.Option("smollm2-135m,gemma3-270m", help="Comma-separated registry models."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/peer.json; "
                                    "peer-quick.json with --quick)."),
+    full_load: bool = typer.Option(False, help="The load sweep's full plan (16 agents a point, up to 7 points, about "
+                                   "an hour a model on 2 cores) instead of its quick one (6 agents, 4 points)."),
+    parts: str = typer.Option("turns,cold,load", help="Parts to run, comma-separated; the JSON keeps the other "
+                              "parts' rows."),
 ) -> None:
     """kvagent serve against llama.cpp's own llama-server (`make llama-server`) on the same agent conversations:
     per-turn TTFT and prompt tokens computed after a state change, cold prefill on the same prompt, and the Poisson
@@ -141,7 +147,12 @@ def bench_peer(
         raise typer.Exit(1)
     json_path = json_path or peer.default_json(quick)
     with console.status("peer benchmark") as status:
-        rows = peer.run(chosen, quick, json_path, command_line(), progress=lambda m: status.update(m))
+        try:
+            rows = peer.run(chosen, quick, json_path, command_line(), progress=lambda m: status.update(m),
+                            full_load=full_load, parts=[p.strip() for p in parts.split(",") if p.strip()])
+        except ValueError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from exc
     plot_path = json_path.with_suffix(".png")
     peer.plot(rows, plot_path)
     summary = peer.summarise(rows)
@@ -154,8 +165,10 @@ def bench_peer(
     print_table(f"after a state change: median TTFT and prompt tokens computed per turn ({json_path}, {plot_path})",
                 ("model", "policy", "arm", "TTFT ms", "computed", "TTFT / kvagent's"), table)
     for model, entry in summary.items():
-        line = (f"{model}: cold prefill kvagent {entry['cold_tokens_per_s']['kvagent']:.0f} tok/s, llama-server "
-                f"{entry['cold_tokens_per_s']['llama-server']:.0f} tok/s ({entry['cold_ratio']:.2f}x)")
+        cold = entry["cold_tokens_per_s"]
+        line = f"{model}: cold prefill " + ", ".join(f"{arm} {v:.0f} tok/s" for arm, v in cold.items())
+        if entry.get("cold_ratio") is not None:
+            line += f" ({entry['cold_ratio']:.2f}x llama-server's)"
         if entry.get("throughput_ratio") is not None:
             line += f"; saturated throughput {entry['throughput_ratio']:.1f}x llama-server's"
         console.print(line)

@@ -118,3 +118,16 @@ def test_a_missing_llama_server_names_the_fix(env: str | None, shown: str, tmp_p
     os.chmod(made, 0o755)
     monkeypatch.setenv(ENV, str(made))
     assert binary() == made and missing_reason() is None
+
+
+def test_a_part_run_again_replaces_only_its_own_rows(tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "peer.json"
+    rows = [turn("kvagent", 0.1, 20), {"part": "cold", "model": "m", "arm": "kvagent", "tokens_per_s": 1.0},
+            {"part": "cold", "model": "other", "arm": "kvagent", "tokens_per_s": 2.0}]
+    path.write_text(json.dumps({"rows": rows, "commands": {"m turns": "a", "m cold": "b", "other cold": "c"}}))
+    kept, commands = peer._kept_rows(path, ["m"], ["cold"])
+    assert kept == [rows[0], rows[2]] and commands == {"m turns": "a", "other cold": "c"}
+    with pytest.raises(ValueError, match="unknown part 'warm'"):
+        peer.run(["smollm2-135m"], True, path, "cmd", parts=["warm"])

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from kvagent_server.bench.load import free_port, start_process, stop_process
+from kvagent_server.bench.processes import free_port, start_process, stop_process
 from kvagent_server.tenants import key_hash
 
 MODEL = "smollm2-135m"

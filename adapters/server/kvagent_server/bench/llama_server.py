@@ -24,7 +24,7 @@ import httpx
 from kvagent.errors import KVAgentError
 from kvagent.models import cache_dir, resolve_model
 
-from kvagent_server.bench.load import free_port, start_process, stop_process
+from kvagent_server.bench.processes import free_port, start_process, stop_process
 
 ENV = "KVAGENT_LLAMA_SERVER"
 # registry models whose GGUF ships no chat template: llama.cpp's built-in template of the family (the turn

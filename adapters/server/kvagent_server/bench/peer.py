@@ -95,11 +95,12 @@ class Plan:
     cold_reps: int
     load: bool
     max_tokens: int = 16
+    full_load: bool = False  # the load sweep's full plan (16 agents a point, up to 7 points) instead of its quick one
 
     @classmethod
-    def of(cls, quick: bool) -> Plan:
+    def of(cls, quick: bool, full_load: bool = False) -> Plan:
         return cls(conversations=1, turns=4, cold_reps=2, load=False) if quick else \
-            cls(conversations=2, turns=6, cold_reps=3, load=True)
+            cls(conversations=2, turns=6, cold_reps=3, load=True, full_load=full_load)
 
 
 # -- the agent ------------------------------------------------------------------------------------
@@ -326,21 +327,28 @@ def cold_segments(size: str = "large") -> list[Any]:
     return [Segment.policy(system), Segment.user(load.QUESTIONS[0]), Segment.reply()]
 
 
+COLD_CHUNKS = "kvagent chunks of 64"  # the cold arm without prefill_chunk_alone (the engine's default)
+
+
 def run_cold(model: str, plan: Plan, peer: LlamaServer, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """A session's first prefill on a fresh-ish engine (``kvagent serve``'s settings) against llama-server's cold
-    ``/completion`` of the same token ids, alternated ``plan.cold_reps`` times (one unmeasured warm-up each)."""
+    """A session's first prefill on a fresh-ish engine with ``kvagent serve``'s settings (``kvagent``: chunks of
+    ``prefill_chunk_alone`` while alone) and on one with chunks of 64 always (:data:`COLD_CHUNKS`), against
+    llama-server's cold ``/completion`` of the same token ids, alternated ``plan.cold_reps`` times (one
+    unmeasured warm-up each)."""
     from kvagent import Engine
     from kvagent_server import ServerConfig
 
     config = ServerConfig(model=model)
     rows: list[dict[str, Any]] = []
-    with Engine.load(model, n_ctx=config.n_ctx, n_seq_max=config.n_seq_max, flash_attn=config.flash_attn) as engine:
+    common = {"n_ctx": config.n_ctx, "n_seq_max": config.n_seq_max, "flash_attn": config.flash_attn}
+    with Engine.load(model, prefill_chunk_alone=config.prefill_chunk_alone, **common) as engine, \
+            Engine.load(model, **common) as chunked:
         segments = cold_segments()
         tokens = list(engine.renderer(True).render(segments).tokens)
 
-        def kvagent_once() -> tuple[float, float]:
+        def kvagent_once(eng: Any) -> tuple[float, float]:
             start = time.perf_counter()
-            with engine.session(segments, share_prefix=False) as session:
+            with eng.session(segments, share_prefix=False) as session:
                 report = session.prefill()
                 if report.computed != len(tokens) or session.tokens != tuple(tokens):
                     raise RuntimeError(f"kvagent computed {report.computed} of {len(tokens)} tokens cold")
@@ -355,14 +363,19 @@ def run_cold(model: str, plan: Plan, peer: LlamaServer, progress: Callable[[str]
                 raise RuntimeError(f"llama-server computed {got['timings']['prompt_n']} of {len(tokens)} tokens cold")
             return float(got["timings"]["prompt_ms"]) / 1000, wall
 
-        kvagent_once(), peer_once()  # warm-up: first graph allocations, page cache
+        arms: list[tuple[str, Callable[[], tuple[float, float]]]] = [
+            (KVAGENT, lambda: kvagent_once(engine)), (COLD_CHUNKS, lambda: kvagent_once(chunked)),
+            ("llama-server", peer_once)]
+        for _, once in arms:  # warm-up: first graph allocations, page cache
+            once()
         for rep in range(plan.cold_reps):
-            for arm, once in ((KVAGENT, kvagent_once), ("llama-server", peer_once))[:: 1 if rep % 2 == 0 else -1]:
+            for arm, once in arms[:: 1 if rep % 2 == 0 else -1]:
                 progress(f"{model} cold prefill {rep + 1}/{plan.cold_reps}: {arm}")
                 seconds, wall = once()
                 rows.append({"part": "cold", "model": model, "arm": arm, "rep": rep, "tokens": len(tokens),
                              "seconds": seconds, "wall_s": wall, "tokens_per_s": len(tokens) / seconds,
-                             "wall_tokens_per_s": len(tokens) / wall})
+                             "wall_tokens_per_s": len(tokens) / wall,
+                             "prefill_chunk_alone": config.prefill_chunk_alone if arm == KVAGENT else None})
     return rows
 
 
@@ -425,9 +438,9 @@ class _PeerAgent:
         return None
 
 
-async def _load(model: str, skills_dir: Path, skill: str, quick: bool, log_dir: Path,
+async def _load(model: str, skills_dir: Path, skill: str, full: bool, log_dir: Path,
                 progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    plan = load.Plan.of(quick)
+    plan = load.Plan.of(not full)
     arm = PEER_ARMS[1]  # state first, --cache-reuse 256: the user's layout with the peer's reuse
     targets: list[Any] = []
     try:
@@ -441,31 +454,40 @@ async def _load(model: str, skills_dir: Path, skill: str, quick: bool, log_dir: 
 
 
 # -- the whole benchmark ---------------------------------------------------------------------------
-def run_model(model: str, plan: Plan, quick: bool, log_dir: Path, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every part on one model: the turns (both policies), the cold prefill, then the load sweep."""
+PARTS = ("turns", "cold", "load")
+
+
+def run_model(model: str, plan: Plan, log_dir: Path, progress: Callable[[str], None],
+              parts: Sequence[str] = PARTS) -> list[dict[str, Any]]:
+    """The chosen parts on one model: the turns (both policies), the cold prefill, then the load sweep."""
     rows: list[dict[str, Any]] = []
     skills_dir = log_dir / "skills"
     skills_dir.mkdir(exist_ok=True)
     names = {size: skill_file(skills_dir, size) for size in POLICIES}
-    serve = load.ServeTarget(log_dir, model=model, extra=["--skills", str(skills_dir)])
     peers: dict[str, LlamaServer] = {}
-    client = httpx.Client(base_url=serve.base, timeout=600, trust_env=False)
-    try:
-        for arm in PEER_ARMS:
-            peers[arm.name] = LlamaServer(LlamaServerConfig(model, n_ctx=4096, cache_reuse=arm.cache_reuse), log_dir)
-        for size in POLICIES:
-            warm = Plan(conversations=1, turns=2, cold_reps=0, load=False, max_tokens=plan.max_tokens)
-            rows += run_turns(model, size, warm, client, names[size], peers, progress, first_conversation=90,
-                              warmup=True)  # compiles the skill; warms every server
-            rows += run_turns(model, size, plan, client, names[size], peers, progress)
-        rows += run_cold(model, plan, peers["llama-server"], progress)
-    finally:
-        client.close()
-        for server in peers.values():
-            server.close()
-        asyncio.run(serve.stop())
-    if plan.load:
-        rows += asyncio.run(_load(model, skills_dir, names["large"], quick, log_dir, progress))
+    if "turns" in parts or "cold" in parts:
+        serve = load.ServeTarget(log_dir, model=model, extra=["--skills", str(skills_dir)]) if "turns" in parts else None
+        client = httpx.Client(base_url=serve.base, timeout=600, trust_env=False) if serve is not None else None
+        try:
+            for arm in PEER_ARMS if "turns" in parts else PEER_ARMS[:1]:
+                peers[arm.name] = LlamaServer(LlamaServerConfig(model, n_ctx=4096, cache_reuse=arm.cache_reuse), log_dir)
+            if client is not None:
+                for size in POLICIES:
+                    warm = Plan(conversations=1, turns=2, cold_reps=0, load=False, max_tokens=plan.max_tokens)
+                    rows += run_turns(model, size, warm, client, names[size], peers, progress, first_conversation=90,
+                                      warmup=True)  # compiles the skill; warms every server
+                    rows += run_turns(model, size, plan, client, names[size], peers, progress)
+            if "cold" in parts:
+                rows += run_cold(model, plan, peers["llama-server"], progress)
+        finally:
+            if client is not None:
+                client.close()
+            for server in peers.values():
+                server.close()
+            if serve is not None:
+                asyncio.run(serve.stop())
+    if plan.load and "load" in parts:
+        rows += asyncio.run(_load(model, skills_dir, names["large"], plan.full_load, log_dir, progress))
     return rows
 
 
@@ -489,12 +511,17 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                  "turns": len(rs)}
                            for arm, rs in by_arm.items() if rs}
             turns[size][KVAGENT]["strategies"] = sorted({str(r.get("strategy")) for r in by_arm[KVAGENT]})
+        colds = {r["arm"] for r in mine if r["part"] == "cold"}
         cold = {arm: median([r["tokens_per_s"] for r in mine if r["part"] == "cold" and r["arm"] == arm])
-                for arm in (KVAGENT, "llama-server")}
+                for arm in (KVAGENT, COLD_CHUNKS, "llama-server") if arm in colds}
         wall = {arm: median([r["wall_tokens_per_s"] for r in mine if r["part"] == "cold" and r["arm"] == arm])
-                for arm in (KVAGENT, "llama-server")}
-        entry: dict[str, Any] = {"turns": turns, "cold_tokens_per_s": cold, "cold_ratio": cold[KVAGENT] / cold["llama-server"],
-                                 "cold_wall_ratio": wall[KVAGENT] / wall["llama-server"]}
+                for arm in cold}
+        entry: dict[str, Any] = {"turns": turns, "cold_tokens_per_s": cold}
+        if {KVAGENT, "llama-server"} <= colds:
+            entry.update(cold_ratio=cold[KVAGENT] / cold["llama-server"],
+                         cold_wall_ratio=wall[KVAGENT] / wall["llama-server"])
+        if {COLD_CHUNKS, "llama-server"} <= colds:
+            entry["cold_ratio_chunks_of_64"] = cold[COLD_CHUNKS] / cold["llama-server"]
         loads = [r for r in mine if r["part"] == "load"]
         if loads:
             best = {arm: max(r["throughput_rps"] for r in loads if r["arm"] == arm) for arm in {r["arm"] for r in loads}}
@@ -507,18 +534,42 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(models: Sequence[str], quick: bool, json_path: Path, command: str,
-        progress: Callable[[str], None] = lambda m: None, log_dir: Path | None = None) -> list[dict[str, Any]]:
-    """The benchmark on ``models``; writes the JSON after each model (with ``summary`` and the arms' settings)."""
+        progress: Callable[[str], None] = lambda m: None, log_dir: Path | None = None,
+        full_load: bool = False, parts: Sequence[str] = PARTS) -> list[dict[str, Any]]:
+    """The chosen ``parts`` on ``models``; writes the JSON after each model (with ``summary`` and the arms'
+    settings). Rows of other parts or models already in ``json_path`` are kept (a part can be run again alone);
+    ``commands`` in the JSON lists the command of each part's rows."""
     bad = [m for m in models if m not in MODELS]
     if bad:
         raise ValueError(f"unknown model {bad[0]!r}: use {', '.join(MODELS)}")
-    plan = Plan.of(quick)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise ValueError(f"unknown part {unknown[0] if unknown else '(none)'!r}: use {', '.join(PARTS)}")
+    plan = Plan.of(quick, full_load)
+    kept, commands = _kept_rows(json_path, models, parts)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvagent-peer-") as tmp:
         for model in models:
-            rows += run_model(model, plan, quick, log_dir or Path(tmp), progress)
-            write_json(json_path, command, rows, plan=plan.__dict__, summary=summarise(rows), arms=settings())
-    return rows
+            rows += run_model(model, plan, log_dir or Path(tmp), progress, parts)
+            commands.update({f"{model} {part}": command for part in parts})
+            every = [*kept, *rows]
+            write_json(json_path, command, every, plan=plan.__dict__, summary=summarise(every), arms=settings(),
+                       commands=commands)
+    return [*kept, *rows]
+
+
+def _kept_rows(json_path: Path, models: Sequence[str], parts: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Rows of ``json_path`` that this run does not replace, and the commands that made them."""
+    if not json_path.is_file():
+        return [], {}
+    try:
+        data = json.loads(json_path.read_text())
+    except ValueError:
+        return [], {}
+    part_of = {"turn": "turns", "cold": "cold", "load": "load"}
+    kept = [r for r in data.get("rows", []) if not (r.get("model") in models and part_of.get(r.get("part")) in parts)]
+    return kept, {k: v for k, v in (data.get("commands") or {}).items()
+                  if not any(k == f"{m} {p}" for m in models for p in parts)}
 
 
 def settings() -> dict[str, str]:
@@ -562,11 +613,14 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set(yscale="log", ylabel="median TTFT after a change (s)", title=f"{model}: per turn")
         ax.legend(fontsize=8)
         ax = ax_row[1]
-        for i, arm in enumerate((KVAGENT, "llama-server")):
+        cold_arms = [a for a in (KVAGENT, COLD_CHUNKS, "llama-server")
+                     if any(r["part"] == "cold" and r["arm"] == a for r in mine)]
+        for i, arm in enumerate(cold_arms):
             pts = [r["tokens_per_s"] for r in mine if r["part"] == "cold" and r["arm"] == arm]
             ax.bar(i, median(pts), color=f"C{i}")
             ax.plot([i] * len(pts), pts, "k.", alpha=0.6)
-        ax.set_xticks([0, 1], [KVAGENT, "llama-server"])
+        ax.set_xticks(range(len(cold_arms)), [a.replace("kvagent chunks", "kvagent\nchunks") for a in cold_arms],
+                      fontsize=8)
         ax.set(ylabel="cold prefill tokens/s", title=f"{model}: cold prefill ({mine[0].get('tokens', '')} tokens)"
                if any(r["part"] == "cold" for r in mine) else f"{model}: cold prefill")
         ax = ax_row[2]
@@ -584,5 +638,5 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["KVAGENT", "MODELS", "PEER_ARMS", "POLICIES", "PeerArm", "Plan", "default_json", "peer_request",
+__all__ = ["COLD_CHUNKS", "KVAGENT", "MODELS", "PARTS", "PEER_ARMS", "POLICIES", "PeerArm", "Plan", "default_json", "peer_request",
            "peer_system", "plot", "policy_text", "run", "settings", "summarise"]
