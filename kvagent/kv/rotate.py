@@ -64,20 +64,18 @@ def _angles(delta: int, base: float, scale: float, n_rot: int) -> tuple[np.ndarr
 def _rotate(rows: np.ndarray, delta: int, base: float, scale: float, layout: RopeLayout) -> np.ndarray:
     """``rows: [cells, n_head_kv * head_dim]`` f16 keys rotated by ``delta`` positions; returns f16.
 
-    The same products as ggml's ``x1 * cos - x2 * sin``, ``x1 * sin + x2 * cos`` in float32: in NORM mode as one
-    complex multiplication of each adjacent pair (a view, no strided copies), in NEOX mode on the two halves."""
+    ggml's products, ``x1 * cos - x2 * sin`` and ``x1 * sin + x2 * cos``, in float32 on each pair (adjacent in
+    NORM mode, the two halves in NEOX mode). (A complex multiplication of NORM pairs is 40% faster but rounds 1 in
+    10^4 values differently: measured to move a three-skill transplant's logits on SmolLM2 from a cosine above 0.96
+    to 0.953 against a cold prefill, so the arithmetic stays as validated.)"""
     n, width = rows.shape
     heads = rows.astype(np.float32).reshape(n, width // layout.head_dim, layout.head_dim)
     half = layout.n_rot // 2
     cos, sin = _angles(delta, base, scale, layout.n_rot)
     if layout.style == "norm":
-        turn = (cos + 1j * sin).astype(np.complex64)
-        if layout.n_rot == layout.head_dim:
-            heads.view(np.complex64)[...] *= turn
-        else:
-            part = np.ascontiguousarray(heads[..., : layout.n_rot])
-            part.view(np.complex64)[...] *= turn
-            heads[..., : layout.n_rot] = part
+        x1, x2 = heads[..., 0 : layout.n_rot : 2], heads[..., 1 : layout.n_rot : 2]
+        r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+        heads[..., 0 : layout.n_rot : 2], heads[..., 1 : layout.n_rot : 2] = r1, r2
     else:
         x1, x2 = heads[..., :half].copy(), heads[..., half : layout.n_rot].copy()
         heads[..., :half], heads[..., half : layout.n_rot] = x1 * cos - x2 * sin, x1 * sin + x2 * cos

@@ -86,7 +86,7 @@ def test_summary_ratios() -> None:
      ["--cache-reuse", "--chat-template", "--cache-ram"]),
     (LlamaServerConfig(cache_reuse=256, slots=4, n_ctx=16384, kv_unified=True, cache_ram_mib=0, threads=3),
      ["--cache-reuse 256", "-np 4", "-c 16384", "-kvu", "--cache-ram 0", "-t 3", "-tb 3"], ["-no-kvu"]),
-    (LlamaServerConfig("gemma3-270m"), ["--chat-template gemma", "--alias gemma3-270m"], []),
+    (LlamaServerConfig("gemma3-270m"), ["--no-jinja --chat-template gemma", "--alias gemma3-270m"], []),
     (LlamaServerConfig(chat_template="chatml", extra=("--no-warmup",)), ["--chat-template chatml", "--no-warmup"], []),
 ])
 def test_llama_server_command_lines(config: LlamaServerConfig, present: list[str], absent: list[str]) -> None:

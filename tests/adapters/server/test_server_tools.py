@@ -283,12 +283,14 @@ def test_a_streamed_call_is_logged_with_its_ids_and_the_loop_extends_the_prompt_
 
 
 def test_parallel_calls_cut_by_max_tokens_are_closed_and_end_with_length(core_engine: Any) -> None:
-    """With ``parallel_tool_calls`` the small models repeat their call until ``max_tokens`` cuts one (SmolLM2: its
-    second call, at 60 tokens): the decoder closes the cut call in the fewest tokens its grammar allows, so every
-    streamed call conforms to its schema, and the stream ends with ``length`` (the content was cut)."""
+    """With ``parallel_tool_calls`` a call cut by ``max_tokens`` (20: inside the first call, whether or not the
+    model would have written more) is closed by the decoder in the fewest tokens its grammar allows, so every
+    streamed call conforms to its schema, and the stream ends with ``length`` (the content was cut). (At 60
+    tokens SmolLM2 repeats its call and the second one is cut, or stops after one: it depends on the prefill's
+    chunking, so the cut is made certain here.)"""
     async def main() -> None:
         async with served(core_engine) as (_, client):
-            body = {"model": MODEL, "messages": QUESTION, "max_tokens": 60, "tools": TOOLS, "tool_choice": "required",
+            body = {"model": MODEL, "messages": QUESTION, "max_tokens": 20, "tools": TOOLS, "tool_choice": "required",
                     "parallel_tool_calls": True, "stream": True}
             r = await client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
@@ -301,7 +303,7 @@ def test_parallel_calls_cut_by_max_tokens_are_closed_and_end_with_length(core_en
                     complete.append(conforms(json.loads(call["arguments"]), SCHEMAS[call["name"]]))
                 except ValueError:
                     complete.append(False)
-            assert len(complete) >= 2 and all(complete) and finish == "length", (finish, calls)
+            assert len(complete) >= 1 and all(complete) and finish == "length", (finish, calls)
     run(main())
 
 

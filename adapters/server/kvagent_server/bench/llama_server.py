@@ -133,7 +133,11 @@ class LlamaServerConfig:
         if self.cache_ram_mib is not None:
             out += ["--cache-ram", str(self.cache_ram_mib)]
         template = self.chat_template or BUILTIN_TEMPLATES.get(self.model)
-        if template:
+        if template in BUILTIN_TEMPLATES.values():
+            # a built-in template by name: llama-server reads --chat-template as Jinja source while Jinja is on (its
+            # default), which turned "gemma" into a 3-token prompt; the name is honoured only without Jinja
+            out += ["--no-jinja", "--chat-template", template]
+        elif template:
             out += ["--chat-template", template]
         return [*out, *self.extra]
 
