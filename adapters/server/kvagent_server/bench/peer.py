@@ -597,6 +597,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(len(models), 3, figsize=(14, 3.8 * len(models)), squeeze=False)
@@ -621,14 +622,19 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
             ax.plot([i] * len(pts), pts, "k.", alpha=0.6)
         ax.set_xticks(range(len(cold_arms)), [a.replace("kvagent chunks", "kvagent\nchunks") for a in cold_arms],
                       fontsize=8)
-        ax.set(ylabel="cold prefill tokens/s", title=f"{model}: cold prefill ({mine[0].get('tokens', '')} tokens)"
-               if any(r["part"] == "cold" for r in mine) else f"{model}: cold prefill")
+        cold_rows = [r for r in mine if r["part"] == "cold"]
+        ax.set(ylabel="cold prefill tokens/s",
+               title=f"{model}: cold prefill ({cold_rows[0]['tokens']} tokens)" if cold_rows else f"{model}: cold prefill")
         ax = ax_row[2]
         for arm in sorted({r["arm"] for r in mine if r["part"] == "load"}):
             pts = sorted((r for r in mine if r["part"] == "load" and r["arm"] == arm), key=lambda r: r["rate"])
             ax.plot([r["rate"] for r in pts], [r["throughput_rps"] for r in pts], "-o", label=f"{arm} completed")
             ax.plot([r["rate"] for r in pts], [r["offered_rps"] for r in pts], ":x", alpha=0.5, label=f"{arm} offered")
+        rates = sorted({r["rate"] for r in mine if r["part"] == "load"})
         ax.set(xscale="log", yscale="log", xlabel="agents/s", ylabel="turns/s", title=f"{model}: Poisson load")
+        if rates:  # the swept rates as ticks: log minor ticks crowd a range of a few doublings
+            ax.set_xticks(rates, [f"{r:g}" for r in rates])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=7)
         for a in ax_row:
             a.grid(True, which="both", alpha=0.3)
