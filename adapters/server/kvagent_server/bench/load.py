@@ -52,7 +52,6 @@ shifted there by ``--cache-reuse``).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import statistics
@@ -68,6 +67,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from kvagent.bench.common import RESULTS_DIR, write_json
 from kvagent.segments import common_prefix
+from kvagent_server.bench.streams import astream_chat
 from kvagent_server.bench.processes import child_args, free_port, start_process, stop_process  # noqa: F401 - re-exported
 
 ARMS = ("erratum", "inplace")
@@ -287,33 +287,12 @@ class _ServeAgent:
         computed = self.pending_computed + r.json()["computed"]
         self.pending_computed = 0
         self.messages.append({"role": "user", "content": question})
-        body = {"model": self.t.model, "messages": self.messages, "max_tokens": max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}}
-        text, usage = [], None
-        async with client.stream("POST", "/v1/chat/completions", json=body,
-                                 headers={"X-KVAgent-Session": self.sid}) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                raise RuntimeError(f"chat: {resp.status_code} {resp.text[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:") or line.endswith("[DONE]"):
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    raise RuntimeError(f"chat stream: {chunk['error']}")
-                for choice in chunk.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        if record.first is None:
-                            record.first = time.perf_counter()
-                        text.append(piece)
-                usage = chunk.get("usage") or usage
-        if usage is None:
-            raise RuntimeError("the stream carried no usage")
-        self.messages.append({"role": "assistant", "content": "".join(text)})
-        prompt = int(usage["prompt_tokens"])
-        computed += prompt - int(usage["prompt_tokens_details"]["cached_tokens"])
-        record.prompt_tokens, record.reused_tokens = prompt, max(0, prompt - computed)
+        body = {"model": self.t.model, "messages": self.messages, "max_tokens": max_tokens}
+        got = await astream_chat(client, body, headers={"X-KVAgent-Session": self.sid})
+        record.first = got.first if got.text else None  # no content token: no first-token time
+        self.messages.append({"role": "assistant", "content": got.text})
+        computed += got.prompt - got.cached
+        record.prompt_tokens, record.reused_tokens = got.prompt, max(0, got.prompt - computed)
 
     async def close(self) -> None:
         try:
