@@ -509,6 +509,20 @@ class LlamaCppBackend:
             raise BackendError(f"llama_state_seq_get_data(seq={seq}) wrote nothing")
         return ctypes.string_at(buf, n)
 
+    def seq_save_writable(self, seq: int) -> bytearray:
+        """``seq_save``'s bytes written straight into a ``bytearray`` the caller owns (no copy of tens of MB into
+        an immutable ``bytes``): for state rewritten in place before a restore (``kvagent.kv.rotate``)."""
+        ctx = self._live()
+        size = int(C.llama_state_seq_get_size(ctx, seq))
+        data = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(data)
+        n = int(C.llama_state_seq_get_data(ctx, buf, size, seq))
+        del buf  # the export ends here, so the buffer can be cut to what was written
+        if n == 0:
+            raise BackendError(f"llama_state_seq_get_data(seq={seq}) wrote nothing")
+        del data[n:]
+        return data
+
     def clear_memory(self) -> None:
         """Drop every sequence's cells and reset the pool's bookkeeping (``llama_memory_clear``).
 

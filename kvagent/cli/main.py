@@ -145,6 +145,7 @@ ADAPTER_COMMANDS = {
     "chat": ("the desktop agent (the LangChain adapter with its desktop extra)", "pip install -e 'adapters/langchain[desktop]'"),
     "bench.load": ("the load benchmark (the server package)", "pip install -e adapters/server"),
     "bench.peer": ("the llama-server comparison (the server package)", "pip install -e adapters/server"),
+    "bench.peer-decisions": ("the llama-server decision comparison (the server package)", "pip install -e adapters/server"),
 }
 log = logging.getLogger(__name__)
 

@@ -82,17 +82,19 @@ class SequencePool:
             finally:
                 self.release(seq)
 
-    def moved_state(self, payload: bytes, start: int, delta: int) -> bytearray | None:
+    def moved_state(self, payload: bytes | bytearray, start: int, delta: int, *,
+                    in_place: bool = False) -> bytearray | None:
         """``payload`` (a saved sequence) with its cells from position ``start`` on moved by ``delta`` and their
-        keys re-rotated in the bytes (``kvagent.kv.rotate``); None where the backend's RoPE is not known, a move
-        back would land on kept cells, or the bytes are not in the layout it expects (the caller then uses
-        ``seq_add``)."""
+        keys re-rotated in the bytes (``kvagent.kv.rotate``; ``in_place``: a bytearray the caller owns, rewritten
+        where it lies); None where the backend's RoPE is not known, a move back would land on kept cells, or the
+        bytes are not in the layout it expects (the caller then uses ``seq_add``; an ``in_place`` payload may then
+        be partly rewritten: save again)."""
         if self._rope is _UNSET:
             self._rope = self.backend.rope_layout()
         if self._rope is None:
             return None
         try:
-            return shift_saved(payload, start, delta, self._rope)
+            return shift_saved(payload, start, delta, self._rope, in_place=in_place)
         except MoveCollision:  # this payload only: the layout is fine
             return None
         except ValueError as exc:

@@ -62,29 +62,38 @@ def _angles(delta: int, base: float, scale: float, n_rot: int) -> tuple[np.ndarr
 
 
 def _rotate(rows: np.ndarray, delta: int, base: float, scale: float, layout: RopeLayout) -> np.ndarray:
-    """``rows: [cells, n_head_kv * head_dim]`` f16 keys rotated by ``delta`` positions; returns f16.
+    """``rows: [cells, n_head_kv * head_dim]`` f16 keys rotated by ``delta`` positions, in place; returns ``rows``.
 
     ggml's products, ``x1 * cos - x2 * sin`` and ``x1 * sin + x2 * cos``, in float32 on each pair (adjacent in
-    NORM mode, the two halves in NEOX mode). (A complex multiplication of NORM pairs is 40% faster but rounds 1 in
-    10^4 values differently: measured to move a three-skill transplant's logits on SmolLM2 from a cosine above 0.96
-    to 0.953 against a cold prefill, so the arithmetic stays as validated.)"""
+    NORM mode, the two halves in NEOX mode), each product and sum rounded to float32 as ggml rounds it, the result
+    to f16. Only the rotated dimensions are read and written (the rest of each head stays as it was). (A complex
+    multiplication of NORM pairs is 40% faster but rounds 1 in 10^4 values differently: measured to move a
+    three-skill transplant's logits on SmolLM2 from a cosine above 0.96 to 0.953 against a cold prefill, so the
+    arithmetic stays as validated.)"""
     n, width = rows.shape
-    heads = rows.astype(np.float32).reshape(n, width // layout.head_dim, layout.head_dim)
-    half = layout.n_rot // 2
+    heads = rows.reshape(n, width // layout.head_dim, layout.head_dim)
     cos, sin = _angles(delta, base, scale, layout.n_rot)
     if layout.style == "norm":
-        x1, x2 = heads[..., 0 : layout.n_rot : 2], heads[..., 1 : layout.n_rot : 2]
-        r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-        heads[..., 0 : layout.n_rot : 2], heads[..., 1 : layout.n_rot : 2] = r1, r2
+        first, second = heads[..., 0 : layout.n_rot : 2], heads[..., 1 : layout.n_rot : 2]
     else:
-        x1, x2 = heads[..., :half].copy(), heads[..., half : layout.n_rot].copy()
-        heads[..., :half], heads[..., half : layout.n_rot] = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-    return heads.reshape(n, width).astype(np.float16)
+        half = layout.n_rot // 2
+        first, second = heads[..., :half], heads[..., half : layout.n_rot]
+    x1, x2 = first.astype(np.float32), second.astype(np.float32)  # contiguous copies: one pass each
+    r1 = x1 * cos
+    r1 -= x2 * sin
+    x1 *= sin  # x1 is not read again: the second product reuses its buffer
+    x2 *= cos
+    x1 += x2
+    first[...], second[...] = r1, x1
+    return rows
 
 
-def shift_saved(payload: bytes, start: int, delta: int, layout: RopeLayout) -> bytearray:
+def shift_saved(payload: bytes | bytearray, start: int, delta: int, layout: RopeLayout, *,
+                in_place: bool = False) -> bytearray:
     """``payload`` with every cell at position ``>= start`` moved by ``delta``: its position rewritten and its
-    keys re-rotated in every layer. Cells below ``start`` are kept as they are.
+    keys re-rotated in every layer. Cells below ``start`` are kept as they are. The payload is copied first,
+    unless ``in_place`` (a ``bytearray`` the caller owns, e.g. a fresh ``seq_save_writable``): then it is
+    rewritten where it lies and returned (a sequence's state is tens of MB).
 
     A move back (``delta < 0``) is allowed where no kept cell lies in ``[start + delta, start)`` and no position
     would fall below 0 (a splice moving the run after a field that got shorter: the bytes hold only that run).
@@ -93,7 +102,9 @@ def shift_saved(payload: bytes, start: int, delta: int, layout: RopeLayout) -> b
     (another llama.cpp state format, quantized keys) or another count of caches or layers than ``layout``'s,
     or :class:`MoveCollision` (a ``ValueError``) where a move back would land cells on kept positions or below 0.
     """
-    data = bytearray(payload)
+    if in_place and not isinstance(payload, bytearray):
+        raise TypeError("in_place needs a bytearray (the bytes are rewritten where they lie)")
+    data = payload if in_place else bytearray(payload)
     blocks, n_caches = read_blocks(data)
     if n_caches != len(layout.caches):
         raise ValueError(f"{n_caches} KV cache blocks, the model's layout says {len(layout.caches)}")
@@ -116,7 +127,7 @@ def shift_saved(payload: bytes, start: int, delta: int, layout: RopeLayout) -> b
             if keys.shape[1] % layout.head_dim:
                 raise ValueError(f"key rows of {keys.shape[1]} values are not heads of {layout.head_dim}")
             if every:
-                keys[...] = _rotate(keys, delta, base, scale, layout)
+                _rotate(keys, delta, base, scale, layout)
             else:
-                keys[moved] = _rotate(keys[moved], delta, base, scale, layout)
+                keys[moved] = _rotate(keys[moved], delta, base, scale, layout)  # the gather is a copy
     return data  # not copied again: a sequence's state is tens of MB (the backend restores from it as it is)

@@ -72,7 +72,7 @@ def splice_field(state: CachedSequence, old: Rendered, new: Rendered, index: int
             if shift and (backend.capabilities.swa_keeps_all or not backend.n_swa):
                 # move the run in its saved bytes (keys re-rotated, kvagent.kv.rotate): seq_add would leave a
                 # K-shift that llama.cpp applies to the whole KV buffer at the next decode, every cell of it
-                moved = pool.moved_state(backend.seq_save(park), last + 1, delta)
+                moved = pool.moved_state(backend.seq_save_writable(park), last + 1, delta, in_place=True)
             if moved is not None or (shift and shared):
                 # the park gets cells of its own: the moved bytes, or a copy to shift (a shift moves every sharer)
                 payload = moved if moved is not None else state.save()

@@ -1,5 +1,6 @@
 """The server distribution's commands, registered on ``kvagent`` through the ``kvagent.cli`` entry points
-(``adapters/server/pyproject.toml``): ``kvagent serve``, ``kvagent bench load`` and ``kvagent bench peer``.
+(``adapters/server/pyproject.toml``): ``kvagent serve``, ``kvagent bench load``, ``kvagent bench peer`` and
+``kvagent bench peer-decisions``.
 
 Only typer is imported here: the server (FastAPI, uvicorn) and the benchmark load inside the commands, so
 ``kvagent --help`` stays fast.
@@ -7,6 +8,7 @@ Only typer is imported here: the server (FastAPI, uvicorn) and the benchmark loa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -172,3 +174,54 @@ def bench_peer(
         if entry.get("throughput_ratio") is not None:
             line += f"; saturated throughput {entry['throughput_ratio']:.1f}x llama-server's"
         console.print(line)
+
+
+def bench_peer_decisions(
+    models: str = typer.Option("smollm2-135m,gemma3-270m", help="Comma-separated registry models."),
+    formats: str = typer.Option("plain,chat", help="Prompt formats of the held-out templates: plain, chat."),
+    downstream: str = typer.Option("short", help="What follows the record: short (four sentences of notes), long "
+                                   "(about 2,000 tokens of log entries), or both, comma-separated."),
+    cases: int = typer.Option(10, help="Cases per template and format with short notes."),
+    long_cases: int = typer.Option(2, help="Cases per template and format with long notes."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
+                                   "bench/results/peer-decisions.json; rows of other models and downstreams kept)."),
+) -> None:
+    """Decisions after a state change through llama-server's prompt reuse (cache_prompt, --cache-reuse, the state
+    changed in place or moved after the notes) and through kvagent's auto edit, on the held-out decision templates:
+    how often each recovers the decision of a cold prompt."""
+    from kvagent_server.bench import peer_decisions
+    from kvagent_server.bench.llama_server import missing_reason
+
+    if (reason := missing_reason()) is not None:
+        console.print(f"[red]error:[/] {reason}")
+        raise typer.Exit(1)
+
+    def names(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    json_path = json_path or peer_decisions.default_json()
+    with console.status("peer decisions") as status:
+        try:
+            peer_decisions.run(names(models), names(formats), names(downstream), cases, long_cases, json_path,
+                               command_line(), progress=lambda m: status.update(m))
+        except ValueError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from exc
+    data = json.loads(json_path.read_text())
+    plot_path = json_path.with_suffix(".png")
+    peer_decisions.plot(data["summary"], plot_path)
+    table = [[r["model"], r["arm"], str(r["cases"]), f"{r['recovered']}/{r['flips']}",
+              "-" if r["recovery"] is None else f"{r['recovery']:.2f}", f"{r['clear_recovered']}/{r['clear_flips']}",
+              "-" if r["shifted_mean"] is None else f"{r['shifted_mean']:.0f}"]
+             for r in data["summary"] if r["template"] == "all"]
+    print_table(f"recovery of the cold decision after a change ({json_path}, {plot_path})",
+                ("model", "arm", "cases", "recovered/flips", "recovery", "clear", "tokens shifted"), table)
+    for v in data["verdicts"]:
+        parts = []
+        for suffix, what in (("", "all flips"), ("_clear", "clear flips")):
+            ours, best = v[f"kvagent{suffix}"], v[f"best_peer{suffix}"]
+            met = v[f"met{suffix}"]
+            parts.append(f"{what}: kvagent auto {ours[0]}/{ours[1]}, best llama-server arm "
+                         f"{best[0] if best else '-'}/{best[1] if best else '-'} "
+                         f"({'met' if met else 'missed' if met is False else 'no flips'})")
+        console.print(f"{v['model']} {v['template']}: " + "; ".join(parts))
