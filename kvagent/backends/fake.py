@@ -398,10 +398,10 @@ class FakeBackend:
         cells = [[pos, self._cells[c].token, self._cells[c].content.hex()] for pos, c in held]
         return json.dumps({"format": self.format, "model": self._identity(), "cells": cells}).encode()
 
-
     def seq_save_writable(self, seq: int) -> bytearray:
         """``seq_save``'s bytes in a buffer the caller may rewrite."""
         return bytearray(self.seq_save(seq))
+
     def seq_restore(self, seq: int, data: bytes) -> None:
         """Replace ``seq``'s cells by saved ones (own cells, with the saved content). As llama.cpp, the
         destination is emptied first, also when the bytes are then refused (another model, no room)."""

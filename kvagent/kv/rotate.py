@@ -71,7 +71,8 @@ def _rotate(rows: np.ndarray, delta: int, base: float, scale: float, layout: Rop
     three-skill transplant's logits on SmolLM2 from a cosine above 0.96 to 0.953 against a cold prefill, so the
     arithmetic stays as validated.)"""
     n, width = rows.shape
-    heads = rows.reshape(n, width // layout.head_dim, layout.head_dim)
+    heads = rows.view()
+    heads.shape = (n, width // layout.head_dim, layout.head_dim)  # a view or an error, never a silent copy
     cos, sin = _angles(delta, base, scale, layout.n_rot)
     if layout.style == "norm":
         first, second = heads[..., 0 : layout.n_rot : 2], heads[..., 1 : layout.n_rot : 2]
