@@ -501,13 +501,7 @@ class LlamaCppBackend:
 
     def seq_save(self, seq: int) -> bytes:
         """One sequence's KV (and positions) as bytes, in llama.cpp's state format."""
-        ctx = self._live()
-        size = int(C.llama_state_seq_get_size(ctx, seq))
-        buf = (ctypes.c_uint8 * size)()
-        n = int(C.llama_state_seq_get_data(ctx, buf, size, seq))
-        if n == 0:
-            raise BackendError(f"llama_state_seq_get_data(seq={seq}) wrote nothing")
-        return ctypes.string_at(buf, n)
+        return bytes(self.seq_save_writable(seq))
 
     def seq_save_writable(self, seq: int) -> bytearray:
         """``seq_save``'s bytes written straight into a ``bytearray`` the caller owns (no copy of tens of MB into

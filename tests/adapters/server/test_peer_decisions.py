@@ -124,7 +124,8 @@ def test_summary_and_verdicts_count_flips_per_template() -> None:
 
 def test_unknown_names_are_refused_before_anything_runs(tmp_path: Path) -> None:
     for kwargs, match in [({"models": ["gpt-9"]}, "unknown model 'gpt-9'"), ({"formats": ["yaml"]}, "unknown format"),
-                          ({"downstreams": ["mid"]}, "unknown downstream"), ({"cases": 0}, "cases must be")]:
+                          ({"downstreams": ["mid"]}, "unknown downstream"), ({"cases": 0}, "cases must be"),
+                          ({"downstreams": ["short", "long"]}, "--long-cases N")]:
         args = {"models": ["smollm2-135m"], "formats": ["plain"], "downstreams": ["short"], "cases": 1, **kwargs}
         with pytest.raises(ValueError, match=match):
             pd.run(args["models"], args["formats"], args["downstreams"], args["cases"], 0, tmp_path / "x.json", "cmd")

@@ -258,6 +258,8 @@ def run(models: Sequence[str], formats: Sequence[str], downstreams: Sequence[str
             raise ValueError(f"unknown {what} {sorted(bad)[0]!r}: use {', '.join(known)}")
     if cases < 1 or long_cases < 0:
         raise ValueError("cases must be >= 1 and long cases >= 0")
+    if "long" in downstreams and long_cases < 1:
+        raise ValueError("the long downstream needs long cases >= 1 (--long-cases N), or leave it out of --downstream")
     kept: list[dict[str, Any]] = []
     if json_path.is_file():
         try:
