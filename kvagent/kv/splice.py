@@ -16,7 +16,7 @@ from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport
-from kvagent.segments import Rendered, Span
+from kvagent.segments import Rendered, Span, common_prefix
 
 Refresh = Callable[[Rendered, Span], Iterable[int]]
 
@@ -50,6 +50,8 @@ def splice_refusal(state: CachedSequence, old: Rendered, new: Rendered, index: i
 def splice_field(state: CachedSequence, old: Rendered, new: Rendered, index: int, refresh: Refresh | None) -> Work[PrefillReport]:
     """Rewrite segment ``index`` (a field) from ``old`` to ``new``; every other downstream cell keeps its
     KV (stale) except the positions ``refresh(old, old_span)`` names (old coordinates), decoded in context.
+    The field is decoded from its first token that changed (the report's ``computed``); the ones before keep
+    their cells, as a prefix match would.
 
     Precondition: ``state`` holds ``old.tokens`` and :func:`splice_refusal` returned None.
     """
@@ -60,6 +62,12 @@ def splice_field(state: CachedSequence, old: Rendered, new: Rendered, index: int
     first, last = old.spans[index].first, old.spans[index].last
     delta = new.spans[index].last - last
     n_old, n_new = len(old.tokens), len(new.tokens)
+    # the field's tokens before its first changed one keep their KV, as a prefix match would (it depends only
+    # on the tokens up to them, which are the same): a chat-formatted field opens with its turn header and its
+    # name, half its span. Cells there that an earlier splice left stale stay stale (and marked so): field_only
+    # recomputes what changed, the selective edit is the one that refreshes stale cells
+    same = common_prefix(old.tokens[first:last + 1], new.tokens[first:last + delta + 1])
+    first += min(same, last - first, last + delta - first)  # at least the field's last token is decoded
     picked = set(refresh(old, old.spans[index])) if refresh is not None else set()
     fresh = {p + delta for p in picked if last < p < n_old} | set(range(first, last + delta + 1))
     computed = 0
