@@ -12,7 +12,9 @@ server started here on 127.0.0.1:
 - ``--target llama-server``: llama.cpp's own ``llama-server`` (``make llama-server``) with ``--slots`` slots
   (default 4), ``cache_prompt`` on, ``--cache-reuse`` N (default 0, off), each agent pinned to slot
   ``agent % slots`` with ``id_slot`` unless ``--no-affinity``, driven through ``RemoteSession``; the hit
-  rate is the server's own ``usage.prompt_tokens_details.cached_tokens``.
+  rate is the server's own ``usage.prompt_tokens_details.cached_tokens``. Each arm has its own llama-server (a
+  slot is shared state: the other arm's prompts would replace this arm's), and the prefix holder warms every
+  slot an agent can be pinned to.
 
 Workload. Agents arrive as a Poisson process at rate ``r`` (agents/s; exponential gaps, fixed seed). Each
 agent's prompt is a short policy, 3 fields (the same initial values for every agent), a ~1,200-token
@@ -394,6 +396,18 @@ class LlamaServerTarget(RemoteTarget):
         pin = {"id_slot": index % self.slots} if self.affinity and index is not None else {}
         return self.engine.session(self.segments(), extra_body={"cache_prompt": True, **pin})
 
+    async def holder(self) -> Callable[[], Any]:
+        """The untouched prefix cached on every slot an agent can be pinned to, as a user of a slot pool warms each
+        slot with the shared prompt (llama-server restores a prompt from its host-RAM cache only once a slot's
+        prompt was replaced, so a fresh slot would compute it in an agent's first turn); without affinity, on the
+        slot the server picks."""
+        release = await super().holder()
+        if self.affinity:
+            for slot in range(self.slots):
+                session = self.engine.session(self.segments(), extra_body={"cache_prompt": True, "id_slot": slot})
+                await self._call(lambda s=session: s.generate(1))
+        return release
+
     def reused(self, tokens: tuple[int, ...], result: Any) -> int:
         if result.cached_tokens is None:
             raise RuntimeError("llama-server reported no prompt_tokens_details.cached_tokens")
@@ -534,11 +548,23 @@ async def sweeps(pairs: Sequence[tuple[Target, str]], plan: Plan, progress: Call
 
 async def _run(target_name: str, plan: Plan, progress: Callable[[str], None], log_dir: Path,
                options: dict[str, Any]) -> list[dict[str, Any]]:
-    target = make_target(target_name, log_dir, **options)
+    if target_name != "llama-server":
+        target = make_target(target_name, log_dir, **options)
+        try:
+            return await sweeps([(target, arm) for arm in ARMS], plan, progress)
+        finally:
+            await target.stop()
+    # llama-server: a server per arm, since its slots are shared state: the in-place arm's prompts would replace
+    # the erratum arm's in the slots its agents are pinned to (the arms' points alternate), so the erratum arm's
+    # next agents there would recompute the document; only the running arm's server uses the CPU
+    targets: list[Target] = []
     try:
-        return await sweeps([(target, arm) for arm in ARMS], plan, progress)
+        for arm in ARMS:
+            targets.append(make_target(target_name, log_dir, **options))
+        return await sweeps(list(zip(targets, ARMS)), plan, progress)
     finally:
-        await target.stop()
+        for target in targets:
+            await target.stop()
 
 
 def run(target: str, quick: bool, json_path: Path, command: str, progress: Callable[[str], None] = lambda m: None,
