@@ -719,15 +719,20 @@ INCREMENTAL_PROSE = 800  # 9 cycles of 64 at a quarter of the prompt
 #     Gemma-3 0.379-0.767 / 0.081-0.180 / 0.9952 (this test: 0.509 / 0.081 / 0.9952)
 #   Gemma-3's largest errors are single rows (its 262k-entry head moves more per unit of state); the p99 is 2-7x
 #   under the max on both.
-# Bounds: 1.5x the worst measured over the 7 sessions (1 - keep: 1.5x the worst disagreement), per model; Gemma-3's
-# 99th percentile keeps the earlier 0.25 (1.4x its worst, 3x this test's). They
+# Those 7 sessions ran the float32 head with up to 128 refreshed rows per cycle. The default is now the bfloat16
+# head where the CPU has native bf16 (AVX512-BF16 here) and, on Gemma-3, at most 64 rows (its new rows at chunk
+# 64: the decode-overhead target); measured on this test's session only (2026-12-02):
+#     SmolLM2 (bf16, 128 rows) 0.135 / 0.090 / 0.9905;  Gemma-3 (bf16, 64 rows) 0.647 / 0.287 / 0.9905
+#   (Gemma-3 with the float32 head and 64 rows: 0.613 / 0.307 / 0.9905: the cap, not bf16, moves its p99).
+# Bounds: 1.5x the worst measured (1 - keep: 1.5x the worst disagreement), per model, and never under the bounds
+# of the 7-session sweep. They
 # hold for the shipped files only: on the 4-layer truncated SmolLM2 of the GPU check the default's largest error
 # was 1.14 nats (BENCHMARKS.md, GPU run 2): a truncated model's last-layer states are not a real model's, so
 # there the drift=0 exactness is checked and the default's bounds are not.
 EXACT_BOUND = 2e-5
 DRIFT_BOUNDS = {  # model: (largest error, 99th percentile, least keep-set agreement)
-    S: (0.26, 0.11, 0.987),
-    G: (1.15, 0.25, 0.992),
+    S: (0.26, 0.14, 0.985),
+    G: (1.15, 0.43, 0.985),
 }
 MEASURED_ON = {S: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
                G: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"}
