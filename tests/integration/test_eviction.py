@@ -723,14 +723,14 @@ INCREMENTAL_PROSE = 800  # 9 cycles of 64 at a quarter of the prompt
 # at chunk 64: the decode-overhead target); measured on this test's session only (2026-12-02): Gemma-3 (64 rows)
 # 0.613 / 0.307 / 0.9905; with the opt-in bf16 head too 0.647 / 0.287 / 0.9905; SmolLM2 with bf16 0.135 / 0.090 /
 # 0.9905 (its float32 default is unchanged: 0.124 / 0.051 / 0.9953).
-# Bounds: 1.5x the worst measured (1 - keep: 1.5x the worst disagreement), per model, and never under the bounds
-# of the 7-session sweep. They
+# Bounds: 1.5x the worst measured (1 - keep: 1.5x the worst disagreement), per model; SmolLM2's are the 7-session
+# sweep's (its default is unchanged), Gemma-3's were widened for the 64-row cap (its measured price). They
 # hold for the shipped files only: on the 4-layer truncated SmolLM2 of the GPU check the default's largest error
 # was 1.14 nats (BENCHMARKS.md, GPU run 2): a truncated model's last-layer states are not a real model's, so
 # there the drift=0 exactness is checked and the default's bounds are not.
 EXACT_BOUND = 2e-5
 DRIFT_BOUNDS = {  # model: (largest error, 99th percentile, least keep-set agreement)
-    S: (0.26, 0.14, 0.985),
+    S: (0.26, 0.11, 0.987),
     G: (1.15, 0.43, 0.985),
 }
 MEASURED_ON = {S: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
