@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from kvagent.errors import EvictionError
+import kvagent.policies.last_layer as last_layer
 from kvagent.policies import CacheView, EvictionPolicy, get_policy, select_keep
 
 if TYPE_CHECKING:
@@ -258,6 +259,60 @@ class Evictor:
         """``[n, n_embd]`` recorded input states of ``layer`` (one of :attr:`layers`) for ``positions``; NaN rows
         where none was recorded."""
         return _rows(self._layer_rows[layer], positions)
+
+    # -- saved state ------------------------------------------------------------------------------
+    def state(self) -> dict[str, np.ndarray]:
+        """What the next cycle reads besides the KV cells, as named arrays (saved in the session's blob): the
+        recorded hidden rows ``hidden.pos`` / ``hidden.rows`` ``[n, n_embd]`` and each read layer's inputs
+        (``layer{l}.*``), the tokens at recorded positions (``tokens.pos`` / ``tokens.ids``), the positions the policy
+        has already seen (``seen``) and the policy's own state (``policy.*``, :meth:`EvictionPolicy.state`)."""
+        out: dict[str, np.ndarray] = {}
+        tables = {"hidden": self._hidden} if self.policy.needs_hidden else {}
+        tables.update({f"layer{layer}": rows for layer, rows in self._layer_rows.items()})
+        for name, table in tables.items():
+            pos = sorted(table)
+            out[f"{name}.pos"] = np.array(pos, np.int64)
+            out[f"{name}.rows"] = (np.stack([table[p] for p in pos]).astype(np.float32, copy=False) if pos
+                                   else np.zeros((0, 0), np.float32))
+        pos = sorted(self._tokens)
+        out["tokens.pos"], out["tokens.ids"] = np.array(pos, np.int64), np.array([self._tokens[p] for p in pos], np.int64)
+        out["seen"] = np.array(sorted(self._seen), np.int64)
+        out.update({f"policy.{k}": v for k, v in self.policy.state().items()})
+        return out
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace what this evictor recorded (and its policy's state) by :meth:`state`'s arrays from a session saved
+        with the same policy. Everything is checked first; ``ValueError`` leaves the evictor as it was."""
+        tables = (["hidden"] if self.policy.needs_hidden else []) + [f"layer{layer}" for layer in self.layers]
+        wanted = {f"{t}.{part}" for t in tables for part in ("pos", "rows")} | {"tokens.pos", "tokens.ids", "seen"}
+        mine = {k for k in state if not k.startswith("policy.")}
+        if mine != wanted:
+            raise ValueError(f"the saved eviction state has {sorted(mine ^ wanted)[:4]} where this evictor "
+                             f"({self.policy.name}) expects {sorted(wanted)[:4]}")
+
+        def positions(name: str) -> list[int]:
+            a = state[name]
+            if a.ndim != 1 or a.dtype.kind != "i" or (a.size and (a.min() < 0 or not (np.diff(a) > 0).all())):
+                raise ValueError(f"saved eviction state {name!r} is not ascending positions")
+            return a.tolist()
+
+        width = last_layer.model_args(Path(self._model_path)).n_embd if tables else 0  # type: ignore[attr-defined]
+        loaded: dict[str, dict[int, np.ndarray]] = {}
+        for t in tables:
+            pos, rows = positions(f"{t}.pos"), state[f"{t}.rows"]
+            if rows.dtype != np.float32 or rows.ndim != 2 or rows.shape[0] != len(pos) or (pos and rows.shape[1] != width):
+                raise ValueError(f"saved eviction state {t!r}: rows {rows.dtype} {rows.shape} for {len(pos)} positions "
+                                 f"of {width} values")
+            loaded[t] = dict(zip(pos, np.array(rows)))
+        tok_pos, ids = positions("tokens.pos"), state["tokens.ids"]
+        if ids.shape != (len(tok_pos),) or ids.dtype.kind != "i":
+            raise ValueError("saved eviction state: tokens do not pair with their positions")
+        seen = set(positions("seen"))
+        self.policy.load_state({k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")})
+        self._hidden = loaded.get("hidden", {})
+        self._layer_rows = {layer: loaded[f"layer{layer}"] for layer in self.layers}
+        self._tokens = dict(zip(tok_pos, ids.tolist()))
+        self._seen = seen
 
     def adopt(self, other: Evictor) -> None:
         """Take over what ``other`` recorded (hidden states, layer inputs, tokens, token texts; shallow copies of

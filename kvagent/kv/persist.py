@@ -7,12 +7,16 @@ with the fix, and the sequence stays as it was.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from kvagent.errors import KVAgentError
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kvblob import KVBlob
 from kvagent.segments import common_prefix
+
+log = logging.getLogger(__name__)
 
 
 def save_blob(state: CachedSequence, fingerprint: str) -> bytes:
@@ -23,8 +27,12 @@ def save_blob(state: CachedSequence, fingerprint: str) -> bytes:
     if state.logits is None:
         raise KVAgentError("save needs the cache at rest (prefill first) (internal error)")
     logits = state.logits.astype(np.float32).tobytes()
+    ev = state.evictor
+    # what the evictor carries to its next cycle travels too (hidden rows, the policy's running state), so that a
+    # restored session evicts as the saved one would have (without it, the restored cells have no hidden states)
+    saved = ev.state() if ev is not None else {}
     return KVBlob(fingerprint, state.backend.format, state.tokens, state.save(), logits,
-                  tuple(sorted(state.evicted))).to_bytes()
+                  tuple(sorted(state.evicted)), ev.policy.name if saved and ev is not None else "", saved).to_bytes()
 
 
 def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fingerprint: str, *,
@@ -45,10 +53,29 @@ def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fi
     logits = np.frombuffer(parsed.logits, dtype=np.float32).copy() if parsed.logits else None
     if logits is not None and logits.shape != (backend.n_vocab,):
         raise KVAgentError(f"the blob's logits have {logits.size} entries, the model {backend.n_vocab}")
-    state.restore(parsed.payload, parsed.tokens, logits, frozenset(parsed.evicted), share=share)
+    recorded = _load_evictor(state, parsed)
+    state.restore(parsed.payload, parsed.tokens, logits, frozenset(parsed.evicted), share=share, recorded=recorded)
     held = list(backend.seq_positions(state.seq))
     if held != list(state.cached_positions):
         state.cut(0)
         raise KVAgentError(
             f"the blob's cache holds {len(held)} cells, its header records {len(state.cached_positions)} kept positions "
             f"of {len(parsed.tokens)}: the blob is inconsistent, save it again")
+
+
+def _load_evictor(state: CachedSequence, parsed: KVBlob) -> bool:
+    """Give the session's evictor the state saved with the blob (before the cache changes: a state that does not fit
+    is refused with the cache as it was); whether it took one."""
+    ev = state.evictor
+    if ev is None or not parsed.evictor:
+        return False
+    if parsed.evictor_policy != ev.policy.name:
+        log.warning("the blob was saved under eviction policy %r, this session evicts with %r: its cells are restored "
+                    "without that policy's state (the next cycle scores them afresh)", parsed.evictor_policy, ev.policy.name)
+        return False
+    try:
+        ev.load_state(parsed.evictor)
+    except ValueError as exc:
+        raise KVAgentError(f"the blob's eviction state does not fit this session's {ev.policy.name!r} evictor ({exc}): "
+                           "save it from a session with the same eviction settings, or restore without eviction") from exc
+    return True

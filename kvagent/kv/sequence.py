@@ -311,23 +311,26 @@ class CachedSequence:
         return self.backend.seq_save(self.seq)
 
     def restore(self, payload: bytes, tokens: tuple[int, ...], logits: np.ndarray | None,
-                evicted: frozenset[int] = frozenset(), *, share: bool = False) -> None:
+                evicted: frozenset[int] = frozenset(), *, share: bool = False, recorded: bool = False) -> None:
         """Replace the cache by saved bytes holding ``tokens`` less the ``evicted`` positions (checked by
         the caller against the backend's cells). ``share``: the bytes are this process's own (a parked session
         it saved itself), so the prefix is published as usual; otherwise it is kept out of the prefix index
-        until the cache is cut to 0."""
+        until the cache is cut to 0. ``recorded``: the evictor already holds the state saved with these bytes
+        (``Evictor.load_state``); otherwise it forgets what it recorded (the cells come without hidden states)."""
         self.pool.cut(self.seq, 0)
         try:
             self.backend.seq_restore(self.seq, payload)
         except Exception:  # llama.cpp empties the sequence before it refuses: record that
             self._tokens, self._logits, self._evicted, self._stale, self._floor = (), None, frozenset(), frozenset(), 0
             self._restored = False
+            if self.evictor is not None:
+                self.evictor.forget_from(0)
             self.publish()
             raise
         self._restored = not share
         self._tokens, self._logits = tokens, logits
         self._evicted, self._stale = frozenset(evicted), frozenset()
-        if self.evictor is not None:
+        if self.evictor is not None and not recorded:
             self.evictor.forget_from(0)  # restored cells come without captured hidden states
         keeps_all = self.backend.capabilities.swa_keeps_all  # always true without sliding-window layers
         self._floor = len(tokens) if not keeps_all and len(tokens) > self.backend.n_swa else 0

@@ -8,10 +8,12 @@ position from every layer at once. Rows without a captured hidden state are kept
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 import kvagent.policies.last_layer as last_layer
-from kvagent.policies.base import CacheView, EvictionPolicy
+from kvagent.policies.base import CacheView, EvictionPolicy, load_rng, rng_state, values_from_state, values_state
 
 
 class HeavyHitters(EvictionPolicy):
@@ -48,6 +50,14 @@ class HeavyHitters(EvictionPolicy):
         keep = set(positions.tolist())
         self._total = {p: s for p, s in self._total.items() if p in keep}
 
+    def state(self) -> dict[str, np.ndarray]:
+        return values_state(self._total, "total")
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        if set(state) != {"total.pos", "total.value"}:
+            raise ValueError(f"not {self.name}'s state: {sorted(state)[:4]}")
+        self._total = values_from_state(state, "total")
+
 
 class ImportanceSampling(HeavyHitters):
     """Importance sampling: keep a random subset drawn without replacement with probability proportional
@@ -64,6 +74,16 @@ class ImportanceSampling(HeavyHitters):
         total = self.accumulate(view)
         weight = np.clip(np.nan_to_num(total, nan=np.inf), 1e-12, None)
         return np.log(self._rng.random(len(view))) / weight
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {**super().state(), **{f"draws.{k}": v for k, v in rng_state(self._rng).items()}}
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        draws = {k.removeprefix("draws."): v for k, v in state.items() if k.startswith("draws.")}
+        rng = np.random.default_rng()
+        load_rng(rng, draws)  # checked on a new generator first: nothing changes on a bad state
+        super().load_state({k: v for k, v in state.items() if not k.startswith("draws.")})
+        self._rng = rng
 
 
 class LatestQuery(EvictionPolicy):

@@ -79,6 +79,17 @@ class EvictionPolicy:
         ``view.probe``); the Evictor captures them. None by default."""
         return ()
 
+    def state(self) -> dict[str, np.ndarray]:
+        """What the policy carries from one cycle to the next, as named numeric arrays (saved with the session's KV,
+        so that a restored session scores its cells as the saved one would). ``{}``: nothing (a stateless policy)."""
+        return {}
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace the policy's state by what :meth:`state` returned; ``ValueError`` (and nothing changed) for
+        arrays it would not have written."""
+        if state:
+            raise ValueError(f"policy {self.name!r} keeps no state between cycles, the blob has {sorted(state)[:4]}")
+
     def __repr__(self) -> str:
         return self.name
 
@@ -101,6 +112,12 @@ class Wrapper(EvictionPolicy):
     def input_layers(self, n_layer: int, model_path: Path) -> tuple[int, ...]:
         return self.inner.input_layers(n_layer, model_path)
 
+    def state(self) -> dict[str, np.ndarray]:
+        return self.inner.state()
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        self.inner.load_state(state)
+
 
 class KeepSinks(Wrapper):
     """Wraps a policy and always keeps the first ``n`` cached positions (attention sinks, StreamingLLM)."""
@@ -113,6 +130,41 @@ class KeepSinks(Wrapper):
         scores = np.asarray(self.inner.score(view), dtype=np.float64).copy()
         scores[: self.n] = np.inf
         return scores
+
+
+def values_state(values: Mapping[int, float], name: str) -> dict[str, np.ndarray]:
+    """A ``{position: value}`` table as two arrays, ``{name}.pos`` (int64) and ``{name}.value`` (float64)."""
+    pos = np.fromiter(values.keys(), np.int64, len(values))
+    return {f"{name}.pos": pos, f"{name}.value": np.fromiter(values.values(), np.float64, len(values))}
+
+
+def values_from_state(state: Mapping[str, np.ndarray], name: str) -> dict[int, float]:
+    """The table :func:`values_state` wrote; ValueError when its arrays are missing or do not pair up."""
+    pos, val = state.get(f"{name}.pos"), state.get(f"{name}.value")
+    if pos is None or val is None or pos.ndim != 1 or pos.shape != val.shape or pos.dtype.kind != "i" \
+            or val.dtype.kind != "f":
+        raise ValueError(f"the state's {name!r} table is missing or malformed")
+    return dict(zip(pos.tolist(), val.tolist()))
+
+
+def rng_state(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A generator's bit-generator state as JSON bytes (``rng``, uint8)."""
+    import json
+
+    return {"rng": np.frombuffer(json.dumps(rng.bit_generator.state).encode(), np.uint8).copy()}
+
+
+def load_rng(rng: np.random.Generator, state: Mapping[str, np.ndarray]) -> None:
+    """Set ``rng`` from :func:`rng_state`'s array; ValueError when it is not such a state."""
+    import json
+
+    raw = state.get("rng")
+    if raw is None or set(state) != {"rng"} or raw.dtype != np.uint8 or raw.ndim != 1:
+        raise ValueError(f"not a random generator's state: {sorted(state)[:4]}")
+    try:
+        rng.bit_generator.state = json.loads(raw.tobytes())
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"not a random generator's state ({exc})") from exc
 
 
 def select_keep(scores: np.ndarray, pinned: np.ndarray, budget: int, priority: np.ndarray | None = None) -> np.ndarray:

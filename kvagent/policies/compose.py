@@ -118,5 +118,21 @@ class RankMix(EvictionPolicy):
         self.a.kept(positions)
         self.b.kept(positions)
 
+    def state(self) -> dict[str, np.ndarray]:
+        return {**{f"a.{k}": v for k, v in self.a.state().items()}, **{f"b.{k}": v for k, v in self.b.state().items()}}
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        other = [k for k in state if not k.startswith(("a.", "b."))]
+        if other:
+            raise ValueError(f"not {self.name}'s state: {other[:4]}")
+        parts = {side: {k[2:]: v for k, v in state.items() if k.startswith(f"{side}.")} for side in "ab"}
+        before = self.a.state()
+        self.a.load_state(parts["a"])
+        try:
+            self.b.load_state(parts["b"])
+        except ValueError:
+            self.a.load_state(before)  # nothing changed
+            raise
+
     def input_layers(self, n_layer: int, model_path: Path) -> tuple[int, ...]:
         return tuple(sorted(set(self.a.input_layers(n_layer, model_path)) | set(self.b.input_layers(n_layer, model_path))))

@@ -29,6 +29,7 @@ added again. State shapes: ``k, v: [kv_heads, n, head_dim]`` float32; ``q: [head
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,6 +119,47 @@ class IncrementalSurprise(EvictionPolicy):
         self.normed0 = self.mu0 = torch.zeros(0)
         self.logz0 = torch.zeros(0, dtype=torch.float64)
 
+    # what state() saves: name -> (dtype, role of each axis: n cells, d embedding, H heads, G kv heads, h head dim)
+    _STATE = {"pos": ("<i8", "n"), "tok": ("<i8", "n"), "hid": ("<f4", "nd"), "qhid": ("<f4", "nd"),
+              "k": ("<f4", "Gnh"), "v": ("<f4", "Gnh"), "q": ("<f4", "Hnh"), "m": ("<f8", "Hn"), "l": ("<f8", "Hn"),
+              "acc": ("<f8", "Hnh"), "normed0": ("<f4", "nd"), "mu0": ("<f4", "nd"), "logz0": ("<f8", "n")}
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The running state over the cached cells (``n`` of them): positions, tokens, their captured and query
+        states ``[n, d]``, keys / values ``[G, n, hd]``, queries ``[H, n, hd]``, the online-softmax state ``m``,
+        ``l`` ``[H, n]`` and ``acc`` ``[H, n, hd]``, and each row's head refresh point; ``{}`` before any cycle."""
+        if not self.pos.size:
+            return {}
+        out = {}
+        for name in self._STATE:
+            value = getattr(self, name)
+            out[name] = value if isinstance(value, np.ndarray) else value.numpy()
+        return out
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace the state by :meth:`state`'s arrays, checked for names, dtypes and agreeing shapes first."""
+        import torch
+
+        if not state:
+            self._empty()
+            return
+        if set(state) != set(self._STATE):
+            raise ValueError(f"not {self.name}'s state: {sorted(set(state) ^ set(self._STATE))[:4]} differ")
+        sizes: dict[str, int] = {}
+        for name, (dtype, axes) in self._STATE.items():
+            a = state[name]
+            if a.dtype.str != dtype or a.ndim != len(axes):
+                raise ValueError(f"{self.name} state {name!r}: {a.dtype} {a.shape}, expected {dtype} over {axes}")
+            for axis, size in zip(axes, a.shape):
+                if sizes.setdefault(axis, size) != size:
+                    raise ValueError(f"{self.name} state {name!r}: shape {a.shape} disagrees with the other arrays")
+        pos = state["pos"]
+        if pos.size and not (np.diff(pos) > 0).all():
+            raise ValueError(f"{self.name} state: positions are not ascending")
+        for name in self._STATE:
+            a = np.array(state[name])  # a copy the state owns
+            setattr(self, name, a if name in ("pos", "tok", "hid", "qhid") else torch.from_numpy(a))
+
     def _model(self, path: Path) -> tuple[object, object]:
         model = last_layer.last_layer_model(Path(path))
         if self._path != Path(path):
@@ -152,7 +194,7 @@ class IncrementalSurprise(EvictionPolicy):
         """Bring the state to the view's cells: subtract the keys (and drop the rows) of cells that went or
         changed, then fold in the new cells as keys and give them full rows."""
         same = np.zeros(pos.size, dtype=bool)  # view cells the state already holds unchanged
-        if self.pos.size and self.hid.shape[1] == hid.shape[1]:
+        if self.pos.size and self.hid.shape[1] == hid.shape[1] and self._fits(block):
             idx = np.searchsorted(self.pos, pos).clip(max=self.pos.size - 1)
             hit = self.pos[idx] == pos
             j = idx[hit]
@@ -172,6 +214,14 @@ class IncrementalSurprise(EvictionPolicy):
         # the state's cells are now exactly the view's (both ascending)
         if not np.array_equal(self.pos, pos):  # pragma: no cover - bookkeeping invariant
             raise RuntimeError("incremental surprise state does not match the view's cells")
+
+    def _fits(self, block: object) -> bool:
+        """Whether the held state has this layer's head shapes (a loaded state from another model does not)."""
+        a = block.args  # type: ignore[attr-defined]
+        fits = tuple(self.q.shape[::2]) == (a.n_head, a.head_dim) and self.k.shape[0] == a.n_kv_head
+        if not fits:
+            log.warning("%s: the saved state does not fit this model's attention heads; scoring from scratch", self.name)
+        return fits
 
     def _visible(self, q_pos: np.ndarray, row_pos: np.ndarray, key_pos: np.ndarray, block: object) -> "torch.Tensor":
         """``[rows, keys]`` bool: key after the scored token (and inside the layer's window of the query)."""

@@ -33,6 +33,14 @@ def last_layer_model(path: Path) -> object:
     return ReferenceModel.load(path, layers=[-1])
 
 
+@lru_cache(maxsize=8)
+def model_args(path: Path) -> object:
+    """The model's :class:`~kvagent.reference.weights.ModelArgs` (read from the GGUF, no weights; cached per file)."""
+    from kvagent.reference.weights import load_weights
+
+    return load_weights(path, layers=[], with_embeddings=False).args
+
+
 @lru_cache(maxsize=1)
 def fast_bf16() -> bool:
     """Whether this CPU has native bfloat16 dot products (AVX512-BF16 or AMX-BF16, as Linux lists its flags), where

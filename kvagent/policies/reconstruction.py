@@ -24,12 +24,14 @@ not used: a replay query sits a whole context after the cells it repeats. Shapes
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from kvagent.policies.base import CacheView, EvictionPolicy
+import kvagent.policies.last_layer as last_layer
+from kvagent.policies.base import CacheView, EvictionPolicy, values_from_state, values_state
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +46,6 @@ def _blocks(path: Path, layers: tuple[int, ...]) -> object:
     from kvagent.reference.model import ReferenceModel
 
     return ReferenceModel.load(path, layers=list(layers))
-
-
-@lru_cache(maxsize=8)
-def _args(path: Path) -> object:
-    from kvagent.reference.weights import load_weights
-
-    return load_weights(path, layers=[], with_embeddings=False).args
 
 
 def spread_layers(n_layer: int, swa: tuple[bool, ...], count: int) -> tuple[int, ...]:
@@ -83,12 +78,22 @@ class Reconstruction(EvictionPolicy):
         self.replayed = 0  # tokens decoded by probes so far (prompts included)
 
     def input_layers(self, n_layer: int, model_path: Path) -> tuple[int, ...]:
-        args = _args(Path(model_path))
+        args = last_layer.model_args(Path(model_path))
         return spread_layers(n_layer, tuple(args.swa_layers), self.n_layers)  # type: ignore[attr-defined]
 
     def kept(self, positions: np.ndarray) -> None:
         keep = set(positions.tolist())
         self._scores = {p: s for p, s in self._scores.items() if p in keep}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {**values_state(self._scores, "scores"), "replayed": np.array([self.replayed], np.int64)}
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        replayed = state.get("replayed")
+        if set(state) != {"scores.pos", "scores.value", "replayed"} or replayed is None or replayed.shape != (1,) \
+                or replayed.dtype.kind != "i":
+            raise ValueError(f"not {self.name}'s state: {sorted(state)[:4]}")
+        self._scores, self.replayed = values_from_state(state, "scores"), int(replayed[0])
 
     # -- scoring ----------------------------------------------------------------------------------
     def score(self, view: CacheView) -> np.ndarray:

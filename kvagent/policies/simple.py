@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
-from kvagent.policies.base import CacheView, EvictionPolicy
+from kvagent.policies.base import CacheView, EvictionPolicy, load_rng, rng_state
 
 
 class Recency(EvictionPolicy):
@@ -27,3 +29,11 @@ class RandomScores(EvictionPolicy):
 
     def score(self, view: CacheView) -> np.ndarray:
         return self._rng.random(len(view))
+
+    def state(self) -> dict[str, np.ndarray]:
+        return rng_state(self._rng)
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        rng = np.random.default_rng()
+        load_rng(rng, state)
+        self._rng = rng

@@ -635,39 +635,83 @@ def test_token_surprise_scores_a_cell_whose_predecessor_was_evicted_from_its_pre
     assert gap <= 1.4 * run
 
 
-# --- save and restore after eviction (issue 13) ---------------------------------------------------------
-# A restored session's evictor starts without the hidden states its policy captured before the save (the blob holds
-# the KV and the tokens, not the evictor's recorded rows nor the policy's state: Sequence.restore forgets them), so a
-# policy that reads hidden states scores the restored cells differently at the next cycle. Measured: the hybrid on
-# SmolLM2, logits cosine 0.63 after a cycle during the extend. Known gap (issue 23, "nothing lost"): xfail, strict.
-NOT_RESTORED = pytest.mark.xfail(strict=True, reason="the evictor's captured states are not saved in the blob")
+# --- save and restore after eviction (issue 13, issue 23 "nothing lost") -------------------------------
+# The blob carries the evictor's state (the hidden rows it recorded, the policy's running state), so a session
+# restored from it evicts at its next cycles as the saved one does. The restored cells lie elsewhere in llama.cpp's
+# pool, which moves its numbers a little (the stateless window: logits cosine 0.9963 on SmolLM2 after the extend), so
+# the new tokens' hidden states differ in the last bits and a near-tie can rank the other way: measured 0-2 of
+# 128-192 cells chosen otherwise. The control restores the same blob with the state stripped (what a blob held
+# before the state travelled): the restored cells then have no hidden states and the extend's cycles choose
+# other cells (and the hybrid on SmolLM2 measured logits cosine 0.63).
+RESTORE_AGREEMENT = 0.97
 
 
-@pytest.mark.parametrize(("model", "policy"), [(S, "window"), (G, "window"), pytest.param(S, "hybrid", marks=NOT_RESTORED),
-                                               pytest.param(S, "kvzip", marks=NOT_RESTORED)])
+def _extend_restored(engine: Engine, blob: bytes, segs: list[Segment], eviction: Eviction,
+                     more: Segment) -> tuple[np.ndarray, frozenset[int], np.ndarray, frozenset[int]]:
+    """Restore ``blob`` in a new session and extend it by ``more``: (logits and evicted positions once restored,
+    the same after the extend)."""
+    with engine.session(segs, eviction=eviction) as b:
+        b.restore(blob, segs)
+        assert tuple(engine.backend.seq_positions(b.seq)) == b.cached_positions
+        logits, before = b.logits(), b.evicted_positions
+        b.extend(more)
+        return logits, before, b.logits(), b.evicted_positions
+
+
+@pytest.mark.parametrize(("model", "policy"), [(S, "window"), (G, "window"), (S, "hybrid"), (G, "hybrid"), (S, "kvzip"),
+                                               (S, "h2o"), (G, "surprise-token")])
 def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine], model: str, policy: str) -> None:
+    from kvagent.kvblob import KVBlob
+
     engine = engines[model]
     pristine(engine)
     segs = segments(engine, 700)
     eviction = Eviction(policy, BUDGET, CHUNK)
+    more = Segment.user(prose(engine, 2 * CHUNK, skip=40) + "\n\n" + QUESTION)  # long enough for cycles
     with engine.session(segs, eviction=eviction) as a:
         a.prefill()
         evicted = a.evicted_positions
         assert evicted and len(a.cycles) >= 1
-        blob = a.save()
+        blob, fingerprint = a.save(), a.model_fingerprint
         saved_logits = a.logits()
-        a.extend(Segment.user(QUESTION))
-        want = a.logits()
-    with engine.session(segs, eviction=eviction) as b:
-        b.restore(blob, segs)
-        assert b.evicted_positions == evicted
-        assert tuple(engine.backend.seq_positions(b.seq)) == b.cached_positions
-        assert np.array_equal(b.logits(), saved_logits)
-        b.extend(Segment.user(QUESTION))
-        got = b.logits()
-    c = cosine(got, want)
-    print(f"\n[{model}] restored after {len(evicted)} evicted positions: logits cosine {c:.6f}")
-    assert c >= 0.999
+        a.extend(more)
+        want, want_evicted = a.logits(), a.evicted_positions
+    parsed = KVBlob.from_bytes(blob, model_fingerprint=fingerprint, backend_format=engine.backend.format)
+    stripped = replace(parsed, evictor_policy="", evictor={}).to_bytes()
+
+    def agreement(got_evicted: frozenset[int]) -> float:
+        new = want_evicted - evicted
+        return len(new & (got_evicted - evicted)) / len(new)
+
+    logits, restored, got, got_evicted = _extend_restored(engine, blob, segs, eviction, more)
+    assert restored == evicted and np.array_equal(logits, saved_logits)
+    _, _, control, control_evicted = _extend_restored(engine, stripped, segs, eviction, more)
+    c, agree, control_agree = cosine(got, want), agreement(got_evicted), agreement(control_evicted)
+    print(f"\n[{model}/{policy}] restored after {len(evicted)} evicted positions; the extend evicted "
+          f"{len(want_evicted - evicted)} more: chosen alike {agree:.3f} (without the state {control_agree:.3f}); "
+          f"logits cosine {c:.6f} (without the state {cosine(control, want):.6f}); blob {len(blob) / 1e6:.2f} MB, "
+          f"{len(stripped) / 1e6:.2f} MB without the state")
+    assert len(want_evicted) > len(evicted)  # the extend had cells to choose
+    assert len(got_evicted) == len(want_evicted) and agree >= RESTORE_AGREEMENT
+    assert c >= 0.99
+    if get_policy(policy).needs_hidden:  # the control: without the state the choices differ
+        assert control_agree < RESTORE_AGREEMENT
+
+
+@pytest.mark.parametrize("model", [S])
+def test_a_blob_restored_under_another_policy_keeps_its_cells_and_drops_the_state(
+        engines: dict[str, Engine], model: str, caplog: pytest.LogCaptureFixture) -> None:
+    engine = engines[model]
+    pristine(engine)
+    segs = segments(engine, 700)
+    with engine.session(segs, eviction=Eviction("hybrid", BUDGET, CHUNK)) as a:
+        a.prefill()
+        blob, evicted, logits = a.save(), a.evicted_positions, a.logits()
+    with engine.session(segs, eviction=Eviction("window", BUDGET, CHUNK)) as b:
+        with caplog.at_level("WARNING", logger="kvagent.kv.persist"):
+            b.restore(blob, segs)
+        assert "saved under eviction policy 'hybrid'" in caplog.text
+        assert b.evicted_positions == evicted and np.array_equal(b.logits(), logits)
 
 
 # --- the incremental surprise pass equals the from-scratch one (issue 13) --------------------------------
