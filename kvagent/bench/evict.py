@@ -26,7 +26,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -284,15 +284,18 @@ TASKS = ("retention", "perplexity", "overhead", "latency")
 
 def run(models: list[str], quick: bool, json_path: Path, command: str,
         progress: Callable[[str], None] = lambda _: None, cases: int | None = None,
-        tasks: tuple[str, ...] = TASKS) -> list[dict[str, Any]]:
+        tasks: tuple[str, ...] = TASKS, policies: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """``tasks`` on every model; writes the JSON after each task (the caller plots). Rows already in
     ``json_path`` (from a run of the same kind, quick or not) for other models or other tasks are kept, so
-    models and tasks can be run one at a time."""
+    models and tasks can be run one at a time; with ``policies`` (retention and perplexity run those instead of the
+    plan's, next to the full cache), so are the other policies' rows of those tasks."""
     unknown = set(tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"unknown eviction benchmark task(s) {sorted(unknown)}: use {', '.join(TASKS)}")
     plan = Plan.for_run(quick, cases)
-    rows = _kept_rows(json_path, quick, models, tasks)
+    if policies:
+        plan = replace(plan, policies=tuple(policies))
+    rows = _kept_rows(json_path, quick, models, tasks, None if not policies else ("full", *policies))
 
     def save() -> None:
         write_json(json_path, command, rows, quick=quick, chunk=plan.chunk, retention_tokens=plan.tokens,
@@ -318,16 +321,23 @@ def run(models: list[str], quick: bool, json_path: Path, command: str,
     return rows
 
 
-def _kept_rows(json_path: Path, quick: bool, models: list[str], tasks: tuple[str, ...]) -> list[dict[str, Any]]:
+def _kept_rows(json_path: Path, quick: bool, models: list[str], tasks: tuple[str, ...],
+               policies: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """The rows of ``json_path`` (if it is a run of the same kind) that this run does not measure again: of
-    another model, or of a task not in ``tasks``."""
+    another model, of a task not in ``tasks``, or (``policies`` given, for retention and perplexity) of another
+    policy."""
     if not json_path.is_file():
         return []
     try:
         old = json.loads(json_path.read_text())
         if old.get("quick") != quick:
             return []
-        return [r for r in old["rows"] if r["task"] not in tasks or not any(r["model"].startswith(m) for m in models)]
+        def measured(r: dict[str, Any]) -> bool:
+            if r["task"] not in tasks or not any(r["model"].startswith(m) for m in models):
+                return False
+            return policies is None or r["task"] not in ("retention", "perplexity") or r["policy"] in policies
+
+        return [r for r in old["rows"] if not measured(r)]
     except (ValueError, KeyError):
         log.warning("%s is not a benchmark JSON: its rows are not kept", json_path)
         return []

@@ -163,8 +163,9 @@ def bench_evict(
     split: str = typer.Option("test", help="Held-out split: 'calibration' (tune on it) or 'test' (quote it)."),
     contexts: int = typer.Option(24, help="Held-out contexts (3 questions each)."),
     dialogues: int = typer.Option(2, help="Held-out long conversations decoded under eviction (3-4 questions each)."),
-    policies: str = typer.Option(None, help="Held-out policies, comma-separated (default: the calibration "
-                                 "candidates on --split calibration, the chosen set on test)."),
+    policies: str = typer.Option(None, help="Policies, comma-separated. Held-out: default the calibration "
+                                 "candidates on --split calibration, the chosen set on test. Books: retention and "
+                                 "perplexity run these (and the full cache) instead, replacing only their rows."),
     budgets: str = typer.Option("0.25", help="Held-out budgets (shares of the context), comma-separated."),
     peer: str = typer.Option(None, help="'kvpress': also run NVIDIA kvpress's presses on the same cases "
                              "(pip install 'kvagent[kvpress]')."),
@@ -185,9 +186,17 @@ def bench_evict(
     chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if set(chosen) - set(evict.TASKS):
         raise typer.BadParameter(f"unknown task(s) in {tasks!r}: use {', '.join(evict.TASKS)}", param_hint="--tasks")
+    picked = tuple(p.strip() for p in policies.split(",") if p.strip()) if policies else None
+    if picked:
+        from kvagent.policies import POLICIES
+
+        unknown = [p for p in picked if p not in POLICIES]
+        if unknown:
+            raise typer.BadParameter(f"unknown policies {unknown}: use {', '.join(sorted(POLICIES))}",
+                                     param_hint="--policies")
     with console.status("eviction benchmark") as status:
         rows = evict.run(model_names(model), quick, json_path, command_line(),
-                         progress=lambda m: status.update(m), cases=cases, tasks=chosen)
+                         progress=lambda m: status.update(m), cases=cases, tasks=chosen, policies=picked)
     evict.plot(rows, json_path.parent)
 
     def fmt(r: dict) -> str:

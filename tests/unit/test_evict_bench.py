@@ -126,3 +126,24 @@ def test_plot_writes_one_figure_per_task(tmp_path: Path) -> None:
     paths = evict.plot(sample_rows(), tmp_path)
     assert sorted(p.name for p in paths) == [f"evict-{t}.png" for t in ("latency", "overhead", "perplexity", "retention")]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+@pytest.mark.parametrize(("tasks", "policies", "kept"), [
+    (("perplexity",), None, {("m", "retention", "window"), ("other", "perplexity", "window")}),
+    (("perplexity",), ("full", "hybrid"), {("m", "retention", "window"), ("other", "perplexity", "window"),
+                                           ("m", "perplexity", "window")}),
+    (("overhead",), ("full", "hybrid"), {("m", "retention", "window"), ("other", "perplexity", "window"),
+                                         ("m", "perplexity", "window"), ("m", "perplexity", "full"),
+                                         ("m", "perplexity", "hybrid")}),
+])
+def test_a_run_replaces_only_the_rows_it_measures(tmp_path: Path, tasks: tuple[str, ...],
+                                                  policies: tuple[str, ...] | None, kept: set[tuple[str, str, str]]) -> None:
+    import json
+
+    old = [{"model": m, "task": t, "policy": p} for m, t, p in [
+        ("m", "retention", "window"), ("m", "perplexity", "window"), ("m", "perplexity", "full"),
+        ("m", "perplexity", "hybrid"), ("other", "perplexity", "window")]]
+    path = tmp_path / "evict.json"
+    path.write_text(json.dumps({"quick": False, "rows": old}))
+    got = evict._kept_rows(path, False, ["m"], tasks, policies)
+    assert {(r["model"], r["task"], r["policy"]) for r in got} == kept
