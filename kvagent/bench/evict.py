@@ -250,7 +250,7 @@ def perplexity(engine: Any, plan: Plan, seed: int, progress: Callable[[str], Non
         for i, ids in enumerate(streams):
             progress(f"{engine.model.name} perplexity {policy} {budget or ''} text {i + 1}/{len(streams)}")
             evictor = (Evictor(Eviction(policy, budget=int(budget * tokens), chunk=plan.chunk), backend,
-                               engine.model.path) if budget else None)
+                               engine.model.path, engine.pool.scratch) if budget else None)
             with engine.scratch() as seq:
                 stream = Stream(backend, seq, evictor, plan.chunk)
                 first = stream.feed(ids[:1], outputs=True, pin=True)
