@@ -658,8 +658,9 @@ def _extend_restored(engine: Engine, blob: bytes, segs: list[Segment], eviction:
         return logits, before, b.logits(), b.evicted_positions
 
 
-@pytest.mark.parametrize(("model", "policy"), [(S, "window"), (G, "window"), (S, "hybrid"), (G, "hybrid"), (S, "kvzip"),
-                                               (S, "h2o"), (G, "surprise-token")])
+@pytest.mark.parametrize(("model", "policy"), [(S, "window"), (G, "window"), (S, "hybrid"), (G, "hybrid"), (S, "h2o"),
+                                               pytest.param(S, "kvzip", marks=pytest.mark.slow),  # 22 s: the replays
+                                               pytest.param(G, "surprise-token", marks=pytest.mark.slow)])
 def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine], model: str, policy: str) -> None:
     from kvagent.kvblob import KVBlob
 
