@@ -67,7 +67,11 @@ def _panel_figure(plt: Any, sel: list[dict[str, Any]], task: str, ylabel: str) -
     """A panel per (model, budget); bars per policy (one colour per policy in every panel) with error bars
     from ``ci_low`` / ``ci_high`` where the rows have them."""
     panels = sorted({(r["model"], r["budget"]) for r in sel if r["budget"] is not None}, key=str)
-    colour = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(r["policy"] for r in sel))}
+    # the full cache first and grey (as in the held-out plots), the policies in a fixed order and colour per policy
+    order = list(dict.fromkeys(["full", *(r["policy"] for r in sel)]))
+    palette = [f"C{i}" for i in range(10) if i != 7]  # C7 is grey: the full cache's
+    colour = {p: palette[i % len(palette)] for i, p in enumerate(order[1:])} | {"full": "0.5"}
+    sel = sorted(sel, key=lambda r: order.index(r["policy"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 1, 3.6), squeeze=False, sharey=True)
     for ax, (model, budget) in zip(axes[0], panels):
         hits = [r for r in sel if r["model"] == model and (r["budget"] == budget or r["budget"] is None)]
