@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from kvagent.errors import EvictionError
 import kvagent.policies.last_layer as last_layer
+from kvagent.errors import EvictionError
 from kvagent.policies import CacheView, EvictionPolicy, get_policy, select_keep
+from kvagent.policies.base import under_prefix, with_prefix
 
 if TYPE_CHECKING:
     from kvagent.backends.base import Backend
@@ -277,7 +278,7 @@ class Evictor:
         pos = sorted(self._tokens)
         out["tokens.pos"], out["tokens.ids"] = np.array(pos, np.int64), np.array([self._tokens[p] for p in pos], np.int64)
         out["seen"] = np.array(sorted(self._seen), np.int64)
-        out.update({f"policy.{k}": v for k, v in self.policy.state().items()})
+        out.update(with_prefix("policy", self.policy.state()))
         return out
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
@@ -308,7 +309,7 @@ class Evictor:
         if ids.shape != (len(tok_pos),) or ids.dtype.kind != "i":
             raise ValueError("saved eviction state: tokens do not pair with their positions")
         seen = set(positions("seen"))
-        self.policy.load_state({k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")})
+        self.policy.load_state(under_prefix("policy", state))
         self._hidden = loaded.get("hidden", {})
         self._layer_rows = {layer: loaded[f"layer{layer}"] for layer in self.layers}
         self._tokens = dict(zip(tok_pos, ids.tolist()))

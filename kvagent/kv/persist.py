@@ -30,9 +30,9 @@ def save_blob(state: CachedSequence, fingerprint: str) -> bytes:
     ev = state.evictor
     # what the evictor carries to its next cycle travels too (hidden rows, the policy's running state), so that a
     # restored session evicts as the saved one would have (without it, the restored cells have no hidden states)
-    saved = ev.state() if ev is not None else {}
+    policy, saved = (ev.policy.name, ev.state()) if ev is not None else ("", {})
     return KVBlob(fingerprint, state.backend.format, state.tokens, state.save(), logits,
-                  tuple(sorted(state.evicted)), ev.policy.name if saved and ev is not None else "", saved).to_bytes()
+                  tuple(sorted(state.evicted)), policy, saved).to_bytes()
 
 
 def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fingerprint: str, *,

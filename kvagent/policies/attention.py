@@ -13,7 +13,9 @@ from collections.abc import Mapping
 import numpy as np
 
 import kvagent.policies.last_layer as last_layer
-from kvagent.policies.base import CacheView, EvictionPolicy, load_rng, rng_state, values_from_state, values_state
+from kvagent.policies.base import (
+    CacheView, EvictionPolicy, load_rng, rng_state, under_prefix, values_from_state, values_state, with_prefix,
+)
 
 
 class HeavyHitters(EvictionPolicy):
@@ -76,12 +78,11 @@ class ImportanceSampling(HeavyHitters):
         return np.log(self._rng.random(len(view))) / weight
 
     def state(self) -> dict[str, np.ndarray]:
-        return {**super().state(), **{f"draws.{k}": v for k, v in rng_state(self._rng).items()}}
+        return {**super().state(), **with_prefix("draws", rng_state(self._rng))}
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
-        draws = {k.removeprefix("draws."): v for k, v in state.items() if k.startswith("draws.")}
         rng = np.random.default_rng()
-        load_rng(rng, draws)  # checked on a new generator first: nothing changes on a bad state
+        load_rng(rng, under_prefix("draws", state))  # checked on a new generator first: nothing changes on a bad state
         super().load_state({k: v for k, v in state.items() if not k.startswith("draws.")})
         self._rng = rng
 

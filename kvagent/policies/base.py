@@ -132,6 +132,16 @@ class KeepSinks(Wrapper):
         return scores
 
 
+def with_prefix(prefix: str, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``state``'s arrays named ``{prefix}.{name}`` (a composite saves its parts' states side by side)."""
+    return {f"{prefix}.{k}": v for k, v in state.items()}
+
+
+def under_prefix(prefix: str, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays :func:`with_prefix` put under ``prefix``, the prefix taken off."""
+    return {k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")}
+
+
 def values_state(values: Mapping[int, float], name: str) -> dict[str, np.ndarray]:
     """A ``{position: value}`` table as two arrays, ``{name}.pos`` (int64) and ``{name}.value`` (float64)."""
     pos = np.fromiter(values.keys(), np.int64, len(values))

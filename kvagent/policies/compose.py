@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvagent.policies.base import CacheView, EvictionPolicy, Wrapper
+from kvagent.policies.base import CacheView, EvictionPolicy, Wrapper, under_prefix, with_prefix
 
 
 def ranks01(scores: np.ndarray) -> np.ndarray:
@@ -119,17 +119,16 @@ class RankMix(EvictionPolicy):
         self.b.kept(positions)
 
     def state(self) -> dict[str, np.ndarray]:
-        return {**{f"a.{k}": v for k, v in self.a.state().items()}, **{f"b.{k}": v for k, v in self.b.state().items()}}
+        return {**with_prefix("a", self.a.state()), **with_prefix("b", self.b.state())}
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
         other = [k for k in state if not k.startswith(("a.", "b."))]
         if other:
             raise ValueError(f"not {self.name}'s state: {other[:4]}")
-        parts = {side: {k[2:]: v for k, v in state.items() if k.startswith(f"{side}.")} for side in "ab"}
         before = self.a.state()
-        self.a.load_state(parts["a"])
+        self.a.load_state(under_prefix("a", state))
         try:
-            self.b.load_state(parts["b"])
+            self.b.load_state(under_prefix("b", state))
         except ValueError:
             self.a.load_state(before)  # nothing changed
             raise

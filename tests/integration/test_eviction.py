@@ -677,6 +677,20 @@ def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine]
         saved_logits = a.logits()
         a.extend(more)
         want, want_evicted = a.logits(), a.evicted_positions
+    # the question right after the restore, against the same session asked it unsaved (a replay from the pristine
+    # pool lands in the same cells), as this test checked before the state travelled
+    question = Segment.user(QUESTION)
+    pristine(engine)
+    with engine.session(segs, eviction=eviction) as a2:
+        a2.prefill()
+        a2.extend(question)
+        want_asked = a2.logits()
+    with engine.session(segs, eviction=eviction) as b:
+        b.restore(blob, segs)
+        b.extend(question)
+        asked = cosine(b.logits(), want_asked)
+    print(f"\n[{model}/{policy}] the question after the restore: logits cosine {asked:.6f}")
+    assert asked >= 0.999
     parsed = KVBlob.from_bytes(blob, model_fingerprint=fingerprint, backend_format=engine.backend.format)
     stripped = replace(parsed, evictor_policy="", evictor={}).to_bytes()
 

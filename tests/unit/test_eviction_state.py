@@ -144,7 +144,7 @@ STATEFUL = {"h2o": (_h2o, HeavyHitters), "importance": (_importance, lambda: Imp
 def test_a_policy_takes_back_its_state(name: str) -> None:
     make, fresh = STATEFUL[name]
     saved = make()
-    state = {k: v for k, v in _parse(_blob(**saved.state()).to_bytes()).evictor.items()}
+    state = dict(_parse(_blob(**saved.state()).to_bytes()).evictor)
     other = fresh()
     other.load_state(state)
     assert _parse(_blob(**other.state()).to_bytes()) == _parse(_blob(**saved.state()).to_bytes())
