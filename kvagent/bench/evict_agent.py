@@ -335,14 +335,18 @@ class Memo(EvictionPolicy):
 def calibration_variants(shared: bool = True) -> dict[str, Callable[[], EvictionPolicy]]:
     """The candidates the calibration split chooses among: the registered baselines, span-level surprise with a
     recent window of 10-60% of the budget, reconstruction (token and span level, with a window), a rank mix of the
-    two, and per-segment shares for tool results. ``shared`` (the ``once`` setting; call once per case): every
-    surprise and every reconstruction variant shares one pass (:class:`Memo`); else each policy gets its own."""
+    two, per-segment shares for tool results, and the surprise policies with the float32 vocabulary head (``-f32``).
+    ``shared`` (the ``once`` setting; call once per case): every surprise variant of one head and every
+    reconstruction variant shares one pass (:class:`Memo`); else each policy gets its own."""
     from kvagent.policies import HYBRID_SHARE, SINKS, IncrementalSurprise, KeepSinks, RankMix, Recent, Reconstruction, Shares, Spans
 
     memo_s, memo_k = Memo(IncrementalSurprise(name="surprise-token")), Memo(Reconstruction())
+    memo_f = Memo(IncrementalSurprise(name="surprise-token-f32", head="float32"))
 
-    def surprise() -> EvictionPolicy:
-        return memo_s if shared else IncrementalSurprise(name="surprise-token")
+    def surprise(head: str = "auto") -> EvictionPolicy:
+        if shared:
+            return memo_s if head == "auto" else memo_f
+        return IncrementalSurprise(name="surprise-token", head=head)
 
     def kvzip() -> EvictionPolicy:
         return memo_k if shared else Reconstruction()
@@ -364,6 +368,12 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
             Recent(spans(kvzip(), "kvzip-span"), s, f"hybrid-kvzip@{s:g}"), SINKS)
     # the registry's hybrid (its share chosen on the calibration split), over the shared pass
     out["hybrid"] = lambda: KeepSinks(Recent(spans(surprise(), "surprise"), HYBRID_SHARE, "hybrid"), SINKS)
+    # the same three with the float32 vocabulary head ("auto" is the mixed head where the CPU has native bf16): what
+    # the mixed head changes, on the same cases in one run
+    out["surprise-token-f32"] = lambda: KeepSinks(surprise("float32"), SINKS)
+    out["surprise-f32"] = lambda: KeepSinks(spans(surprise("float32"), "surprise-f32"), SINKS)
+    out["hybrid-f32"] = lambda: KeepSinks(Recent(spans(surprise("float32"), "surprise"), HYBRID_SHARE, "hybrid-f32"),
+                                          SINKS)
     for tool in (0.2, 0.4):
         out[f"shares-tool@{tool:g}"] = lambda t=tool: KeepSinks(
             Shares(Recent(spans(surprise(), "surprise"), 0.25), {"tool": t}, f"shares-tool@{t:g}"), SINKS)

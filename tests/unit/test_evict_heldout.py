@@ -132,3 +132,33 @@ def test_summary_rows_give_accuracy_ratio_to_the_full_cache_and_breakdowns() -> 
     assert w["by_band"] == {"early": [1, 2], "middle": [0, 2], "late": [2, 2]}
     assert w["by_family"] == {"tools": [2, 3], "documents": [1, 3]}
     assert w["answer_kept"] == pytest.approx(0.5) and w["cycle_ms"] == pytest.approx(11.0)
+
+
+def _memos(policy: object) -> list[object]:
+    """The shared passes (``Memo``) down a policy's wrappers."""
+    from kvagent.bench.evict_agent import Memo
+
+    out = []
+    while policy is not None:
+        out += [policy] if isinstance(policy, Memo) else []
+        policy = getattr(policy, "inner", None)
+    return out
+
+
+@pytest.mark.parametrize(("name", "head"), [
+    ("surprise-token", "auto"), ("surprise", "auto"), ("hybrid", "auto"),
+    ("surprise-token-f32", "float32"), ("surprise-f32", "float32"), ("hybrid-f32", "float32"),
+])
+def test_the_surprise_variants_share_one_pass_per_head(monkeypatch: pytest.MonkeyPatch, name: str, head: str) -> None:
+    """In the ``once`` setting every surprise variant of one vocabulary head scores through one shared pass; the
+    ``-f32`` variants through a second one with the float32 head (the default "auto" is "mixed" on a bf16 CPU)."""
+    import kvagent.policies.last_layer as last_layer
+    from kvagent.bench.evict_agent import calibration_variants
+
+    monkeypatch.setattr(last_layer, "fast_bf16", lambda: True)
+    variants = calibration_variants()
+    memos = _memos(variants[name]())
+    twin = _memos(variants["surprise-token" if head == "auto" else "surprise-token-f32"]())
+    other = _memos(variants["surprise-token-f32" if head == "auto" else "surprise-token"]())
+    assert len(memos) == 1 and memos[0] is twin[0] and memos[0] is not other[0]
+    assert memos[0].inner.head == ("mixed" if head == "auto" else "float32")
