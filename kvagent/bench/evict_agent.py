@@ -469,6 +469,11 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _question_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """What one record answers: a model's reply to one question of one case under one policy and budget."""
+    return r["model"], r["task"], r["case"], r["policy"], r["budget"], r.get("question")
+
+
 def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, policies: tuple[str, ...],
                 budgets: tuple[float, ...], json_path: Path, command: str, peer: bool = False,
                 progress: Callable[[str], None] = lambda _: None, threads: int = 1, start: int = 0,
@@ -476,8 +481,8 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
     """The held-out suite: ``contexts`` cases of ``split`` (from case ``start``) in the ``once`` setting at each
     budget, ``dialogues`` long conversations decoded under eviction at the first budget, and with ``peer`` the
     kvpress presses on the same cases. Records are written to ``json_path`` after every case and reused when the
-    run is repeated (a case already there for the same model, task and policies is not run again), so a long run
-    can be stopped and continued. Returns the summary rows (:func:`summarize`)."""
+    run is repeated (a case already there for the same model, task and policies is not run again; one that lacks
+    some policies runs only those), so a long run can be stopped and continued, or extended by policies. Returns the summary rows (:func:`summarize`)."""
     import json
 
     from kvagent.bench.common import write_json
@@ -489,6 +494,9 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
             records = json.loads(json_path.read_text()).get("records", [])
         except ValueError:
             log.warning("%s is not a benchmark JSON: starting afresh", json_path)
+    # one record per question (a file written before the missing-policies rule below could hold a case twice)
+    seen: set[tuple[Any, ...]] = set()
+    records = [r for r in records if not (_question_key(r) in seen or seen.add(_question_key(r)))]
     done = {(r["model"], r["task"], r["case"], r["policy"], r["budget"]) for r in records}
 
     def save() -> None:
@@ -499,6 +507,15 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
         """Whether a record of ``case`` is missing: the full cache's (budget None) or a policy's at a budget."""
         wanted = [("full", None), *((name, b) for name in names for b in at)]
         return any((model, task, case.id, name, b) not in done for name, b in wanted)
+
+    def todo(model: str, task: str, case: HeldoutCase, at: Sequence[float]) -> list[str]:
+        """The policies ``case`` still lacks a record of at some budget (a continued run adds only those)."""
+        return [p for p in policies if any((model, task, case.id, p, b) not in done for b in at)]
+
+    def new(model: str, task: str, got: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``got`` without the records already there (the full cache's, a policy's at a budget it had)."""
+        return [{"model": model, "task": task, **r} for r in got
+                if (model, task, r["case"], r["policy"], r["budget"]) not in done]
 
     for model in models:
         from kvagent.engine import Engine
@@ -511,15 +528,16 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
                 if not missing(name, "heldout", case, policies, budgets):
                     continue
                 progress(f"{name} held-out {case.id} ({i + 1}/{len(cases)}, {case.tokens} tokens)")
-                got = once(engine, case, policies, budgets, variants=calibration_variants())
-                records += [{"model": name, "task": "heldout", **r} for r in got]
+                got = once(engine, case, todo(name, "heldout", case, budgets), budgets, variants=calibration_variants())
+                records += new(name, "heldout", got)
                 save()
             for i, case in enumerate(make_dialogues(split, dialogues, count)):
                 if not missing(name, "dialogue", case, policies, budgets[:1]):
                     continue
                 progress(f"{name} dialogue {case.id} ({i + 1}/{dialogues}, {case.tokens} tokens)")
-                got = dialogue(engine, case, policies, budgets[0], variants=calibration_variants(shared=False))
-                records += [{"model": name, "task": "dialogue", **r} for r in got]
+                got = dialogue(engine, case, todo(name, "dialogue", case, budgets[:1]), budgets[0],
+                               variants=calibration_variants(shared=False))
+                records += new(name, "dialogue", got)
                 save()
             if peer:
                 from kvagent.bench.evict_peer import Peer, case_records
