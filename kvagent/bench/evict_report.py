@@ -37,8 +37,9 @@ def row(model: str, task: str, policy: str, budget: float | None, score: float |
             "cycle_ms": cycle_ms, "ci_low": low, "ci_high": high, "overhead_share": overhead_share, **extra}
 
 
-def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """One PNG per task present in ``rows``, next to the JSON: ``evict-<task>.png``. Retention, perplexity
+def plot(rows: list[dict[str, Any]], out_dir: Path, stem: str = "evict") -> list[Path]:
+    """One PNG per task present in ``rows``, next to the JSON: ``<stem>-<task>.png`` (``stem``: the JSON's, so a
+    run written elsewhere with ``--json`` does not overwrite ``evict-<task>.png``). Retention, perplexity
     and overhead: one panel per (model, budget), a bar per policy with its 95% interval where it has one
     (the full cache, which has no budget, drawn in every panel of its model); latency: ms per cycle by
     cache size, log scale."""
@@ -55,7 +56,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         if not sel:
             continue
         fig = _latency_figure(plt, sel, ylabel) if task == "latency" else _panel_figure(plt, sel, task, ylabel)
-        path = out_dir / f"evict-{task}.png"
+        path = out_dir / f"{stem}-{task}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

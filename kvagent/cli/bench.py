@@ -197,7 +197,7 @@ def bench_evict(
     with console.status("eviction benchmark") as status:
         rows = evict.run(model_names(model), quick, json_path, command_line(),
                          progress=lambda m: status.update(m), cases=cases, tasks=chosen, policies=picked)
-    evict.plot(rows, json_path.parent)
+    evict.plot(rows, json_path.parent, json_path.stem)
 
     def fmt(r: dict) -> str:
         if r["score"] is None:

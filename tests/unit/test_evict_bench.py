@@ -122,9 +122,10 @@ def sample_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def test_plot_writes_one_figure_per_task(tmp_path: Path) -> None:
-    paths = evict.plot(sample_rows(), tmp_path)
-    assert sorted(p.name for p in paths) == [f"evict-{t}.png" for t in ("latency", "overhead", "perplexity", "retention")]
+@pytest.mark.parametrize(("stem", "want"), [(None, "evict"), ("evict-overhead-rerun", "evict-overhead-rerun")])
+def test_plot_writes_one_figure_per_task_named_after_its_json(tmp_path: Path, stem: str | None, want: str) -> None:
+    paths = evict.plot(sample_rows(), tmp_path) if stem is None else evict.plot(sample_rows(), tmp_path, stem)
+    assert sorted(p.name for p in paths) == [f"{want}-{t}.png" for t in ("latency", "overhead", "perplexity", "retention")]
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
