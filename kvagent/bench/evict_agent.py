@@ -469,11 +469,6 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _question_key(r: dict[str, Any]) -> tuple[Any, ...]:
-    """What one record answers: a model's reply to one question of one case under one policy and budget."""
-    return r["model"], r["task"], r["case"], r["policy"], r["budget"], r.get("question")
-
-
 def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, policies: tuple[str, ...],
                 budgets: tuple[float, ...], json_path: Path, command: str, peer: bool = False,
                 progress: Callable[[str], None] = lambda _: None, threads: int = 1, start: int = 0,
@@ -494,23 +489,17 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
             records = json.loads(json_path.read_text()).get("records", [])
         except ValueError:
             log.warning("%s is not a benchmark JSON: starting afresh", json_path)
-    # one record per question (a file written before the missing-policies rule below could hold a case twice)
-    seen: set[tuple[Any, ...]] = set()
-    records = [r for r in records if not (_question_key(r) in seen or seen.add(_question_key(r)))]
     done = {(r["model"], r["task"], r["case"], r["policy"], r["budget"]) for r in records}
 
     def save() -> None:
         write_json(json_path, command, summarize(records), records=records, split=split, budgets=list(budgets),
                    policies=list(policies))
 
-    def missing(model: str, task: str, case: HeldoutCase, names: Iterable[str], at: Iterable[float]) -> bool:
-        """Whether a record of ``case`` is missing: the full cache's (budget None) or a policy's at a budget."""
-        wanted = [("full", None), *((name, b) for name in names for b in at)]
-        return any((model, task, case.id, name, b) not in done for name, b in wanted)
-
-    def todo(model: str, task: str, case: HeldoutCase, at: Sequence[float]) -> list[str]:
-        """The policies ``case`` still lacks a record of at some budget (a continued run adds only those)."""
-        return [p for p in policies if any((model, task, case.id, p, b) not in done for b in at)]
+    def todo(model: str, task: str, case: HeldoutCase, at: Sequence[float]) -> list[str] | None:
+        """The policies ``case`` still lacks a record of at some budget (a continued run adds only those); None
+        when it has them all and the full cache's."""
+        names = [p for p in policies if any((model, task, case.id, p, b) not in done for b in at)]
+        return names if names or (model, task, case.id, "full", None) not in done else None
 
     def new(model: str, task: str, got: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``got`` without the records already there (the full cache's, a policy's at a budget it had)."""
@@ -525,18 +514,19 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
             count = lambda s: len(engine.backend.tokenize(s, special=False))  # noqa: E731
             cases = make_cases(split, contexts, count, start=start)
             for i, case in enumerate(cases):
-                if not missing(name, "heldout", case, policies, budgets):
+                lacking = todo(name, "heldout", case, budgets)
+                if lacking is None:
                     continue
                 progress(f"{name} held-out {case.id} ({i + 1}/{len(cases)}, {case.tokens} tokens)")
-                got = once(engine, case, todo(name, "heldout", case, budgets), budgets, variants=calibration_variants())
+                got = once(engine, case, lacking, budgets, variants=calibration_variants())
                 records += new(name, "heldout", got)
                 save()
             for i, case in enumerate(make_dialogues(split, dialogues, count)):
-                if not missing(name, "dialogue", case, policies, budgets[:1]):
+                lacking = todo(name, "dialogue", case, budgets[:1])
+                if lacking is None:
                     continue
                 progress(f"{name} dialogue {case.id} ({i + 1}/{dialogues}, {case.tokens} tokens)")
-                got = dialogue(engine, case, todo(name, "dialogue", case, budgets[:1]), budgets[0],
-                               variants=calibration_variants(shared=False))
+                got = dialogue(engine, case, lacking, budgets[0], variants=calibration_variants(shared=False))
                 records += new(name, "dialogue", got)
                 save()
             if peer:

@@ -402,8 +402,8 @@ class IncrementalSurprise(EvictionPolicy):
             # [rows, vocab] @ [vocab, n_embd] product would double the head's cost (Gemma-3: 262k entries)
             mu = _weighted_rows(torch.exp(values - lse.float()[:, None]), ids, W)
             rows = r[part]
-            self.normed0[rows], self.mu0[rows], self.logz0[rows] = normed[part], mu, lse.double()
-            logz[part] = lse.double()
+            self.normed0[rows], self.mu0[rows], self.logz0[rows] = normed[part], mu, lse
+            logz[part] = lse
         return logz
 
 
