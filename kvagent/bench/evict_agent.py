@@ -334,14 +334,21 @@ class Memo(EvictionPolicy):
 
 def calibration_variants(shared: bool = True) -> dict[str, Callable[[], EvictionPolicy]]:
     """The candidates the calibration split chooses among: the registered baselines, span-level surprise with a
-    recent window of 10-60% of the budget, reconstruction (token and span level, with a window), a rank mix of the
-    two, per-segment shares for tool results, and the surprise policies with the float32 vocabulary head (``-f32``).
-    ``shared`` (the ``once`` setting; call once per case): every surprise variant of one head and every
-    reconstruction variant shares one pass (:class:`Memo`); else each policy gets its own."""
+    recent window of 10-60% of the budget, spans ranked by the mean or top-2 mean of their scores, self-information
+    (Selective Context) alone, with the window and rank-mixed with surprise, reconstruction (token and span level,
+    with a window), a rank mix of the two, per-segment shares for tool results, and the surprise policies with the
+    float32 vocabulary head (``-f32``).
+    ``shared`` (the ``once`` setting; call once per case): every surprise variant of one head, every
+    self-information variant and every reconstruction variant shares one pass (:class:`Memo`); else each policy gets its own."""
     from kvagent.policies import HYBRID_SHARE, SINKS, IncrementalSurprise, KeepSinks, RankMix, Recent, Reconstruction, Shares, Spans
+    from kvagent.policies.information import SelfInformation
 
     memo_s, memo_k = Memo(IncrementalSurprise(name="surprise-token")), Memo(Reconstruction())
     memo_f = Memo(IncrementalSurprise(name="surprise-token-f32", head="float32"))
+    memo_i = Memo(SelfInformation())
+
+    def info() -> EvictionPolicy:
+        return memo_i if shared else SelfInformation()
 
     def surprise(head: str = "auto") -> EvictionPolicy:
         if shared:
@@ -374,6 +381,21 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
     out["surprise-f32"] = lambda: KeepSinks(spans(surprise("float32"), "surprise-f32"), SINKS)
     out["hybrid-f32"] = lambda: KeepSinks(Recent(spans(surprise("float32"), "surprise"), HYBRID_SHARE, "hybrid-f32"),
                                           SINKS)
+    # the span aggregate: the mean or the mean of the top 2 of a sentence's token scores instead of its largest (a
+    # long sentence has more chances at one surprising word; a fact's sentence is short), alone and with the window
+    for reduce, k, tag in (("mean", 4, "mean"), ("topk", 2, "top2")):
+        out[f"surprise-{tag}"] = lambda r=reduce, k=k, t=tag: KeepSinks(
+            Spans(surprise(), "sentence", r, k=k, name=f"surprise-{t}"), SINKS)
+        out[f"hybrid-{tag}"] = lambda r=reduce, k=k, t=tag: KeepSinks(
+            Recent(Spans(surprise(), "sentence", r, k=k, name=f"surprise-{t}"), HYBRID_SHARE, f"hybrid-{t}"), SINKS)
+    # self-information (Selective Context), span level, alone, with the window, and rank-mixed with surprise
+    out["selfinfo-token"] = lambda: KeepSinks(info(), SINKS)
+    out["selfinfo"] = lambda: KeepSinks(spans(info(), "selfinfo"), SINKS)
+    out["hybrid-selfinfo"] = lambda: KeepSinks(Recent(spans(info(), "selfinfo"), HYBRID_SHARE, "hybrid-selfinfo"), SINKS)
+    for w in (0.5,):
+        out[f"mix-info@{w:g}"] = lambda w=w: KeepSinks(spans(RankMix(info(), surprise(), w), f"mix-info@{w:g}"), SINKS)
+        out[f"hybrid-mix-info@{w:g}"] = lambda w=w: KeepSinks(
+            Recent(spans(RankMix(info(), surprise(), w), f"mix-info@{w:g}"), HYBRID_SHARE, f"hybrid-mix-info@{w:g}"), SINKS)
     for tool in (0.2, 0.4):
         out[f"shares-tool@{tool:g}"] = lambda t=tool: KeepSinks(
             Shares(Recent(spans(surprise(), "surprise"), 0.25), {"tool": t}, f"shares-tool@{t:g}"), SINKS)

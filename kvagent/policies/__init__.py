@@ -10,6 +10,7 @@ from kvagent.policies.attention import HeavyHitters, ImportanceSampling, LatestQ
 from kvagent.policies.base import CacheView, EvictionPolicy, KeepSinks, Wrapper, select_keep
 from kvagent.policies.compose import RankMix, Recent, Shares
 from kvagent.policies.incremental import IncrementalSurprise
+from kvagent.policies.information import SelfInformation
 from kvagent.policies.reconstruction import Reconstruction
 from kvagent.policies.simple import RandomScores, Recency
 from kvagent.policies.spans import Spans
@@ -45,6 +46,10 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     # reconstruction after KVzip (Kim et al., 2025): the cached context replayed behind "repeat the previous
     # context", each cell scored by the largest attention a replay query gives it
     "kvzip": lambda: KeepSinks(Reconstruction(), SINKS),
+    # self-information -log P(x_p | x_<p), the forward twin of surprise (Selective Context, Li et al., 2023), sentence
+    # spans and token level
+    "selfinfo": lambda: KeepSinks(Spans(SelfInformation(), "sentence", "max", name="selfinfo"), SINKS),
+    "selfinfo-token": lambda: KeepSinks(SelfInformation(name="selfinfo-token"), SINKS),
     # a recent window (StreamingLLM) of HYBRID_SHARE of the room beside span-level surprise for the rest; the
     # share was chosen on the held-out calibration split (BENCHMARKS.md, "Held-out eviction")
     "hybrid": lambda: KeepSinks(Recent(Spans(IncrementalSurprise(), "sentence", "max", name="surprise"), HYBRID_SHARE,
@@ -65,5 +70,5 @@ def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
 __all__ = [
     "CacheView", "EvictionPolicy", "KeepSinks", "select_keep", "get_policy", "POLICIES", "FastSurprise",
     "FullSurprise", "IncrementalSurprise", "HeavyHitters", "ImportanceSampling", "LatestQuery", "Recency", "RandomScores",
-    "RankMix", "Recent", "Reconstruction", "Shares", "Spans", "Wrapper",
+    "RankMix", "Recent", "Reconstruction", "SelfInformation", "Shares", "Spans", "Wrapper",
 ]

@@ -149,7 +149,7 @@ def previous_rows(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def counter_causal_scores(
     path: Path, hidden: np.ndarray, positions: np.ndarray, tokens: np.ndarray, query: str = "previous",
-    proxy: str = "logprob", query_hidden: np.ndarray | None = None,
+    proxy: str = "logprob", query_hidden: np.ndarray | None = None, direction: str = "counter-causal",
 ) -> np.ndarray:
     """``[n]``: log P (``proxy="logprob"``) or the raw logit (``"logit"``, the paper's proxy) of each
     cell's token under the counter-causal mask (keys at positions after the token's), from the last
@@ -157,8 +157,12 @@ def counter_causal_scores(
     position ``p - 1`` queries at position ``p - 1``: ``query_hidden[i]`` (NaN where none was recorded;
     default: :func:`previous_rows`, i.e. only cells whose predecessor is cached are scored). The
     predecessor need not be cached: its key is masked anyway. Cells that are not scored get -inf (the
-    most surprising: kept)."""
+    most surprising: kept). ``direction="causal"``: the keys at positions before the token's instead (the ordinary
+    forward mask: log P(x_p | the cached x_<p), the token's self-information), with ``query="previous"`` only."""
     import torch
+
+    if direction not in ("counter-causal", "causal") or (direction == "causal" and query == "self"):
+        raise ValueError(f"direction must be 'counter-causal' or 'causal' (with query='previous'), got {direction!r}")
 
     model = last_layer_model(Path(path))
     block = model.blocks[model.args.n_layer - 1]
@@ -175,7 +179,10 @@ def counter_causal_scores(
     result = np.full(len(tokens), -np.inf)
     if rows.numel() == 0:
         return result
-    mask = pos[None, :] > pos[rows][:, None]  # keys strictly after the scored token
+    if direction == "causal":  # keys strictly before the scored token: what predicted it
+        mask = pos[None, :] < pos[rows][:, None]
+    else:  # keys strictly after the scored token
+        mask = pos[None, :] > pos[rows][:, None]
     with torch.no_grad():
         q, k, v = block.qkv(h, pos)
         if query != "self":

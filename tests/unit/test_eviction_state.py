@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 from kvagent.errors import KVBlobError
 from kvagent.kvblob import MAGIC, STATE_DTYPES, KVBlob
 from kvagent.policies.attention import HeavyHitters, ImportanceSampling
+from kvagent.policies.information import SelfInformation
 from kvagent.policies.base import CacheView, EvictionPolicy, Wrapper
 from kvagent.policies.compose import RankMix
 from kvagent.policies.incremental import IncrementalSurprise
@@ -130,6 +131,12 @@ def _random() -> RandomScores:
     return p
 
 
+def _selfinfo() -> SelfInformation:
+    p = SelfInformation()
+    p._info = {2: 3.5, 6: 0.125}
+    return p
+
+
 def _mix() -> RankMix:
     return RankMix(_h2o(), _reconstruction(), 0.5)
 
@@ -137,7 +144,8 @@ def _mix() -> RankMix:
 STATEFUL = {"h2o": (_h2o, HeavyHitters), "importance": (_importance, lambda: ImportanceSampling(seed=9)),
             "kvzip": (_reconstruction, Reconstruction), "random": (_random, lambda: RandomScores(seed=5)),
             "mix": (_mix, lambda: RankMix(HeavyHitters(), Reconstruction(), 0.5)),
-            "wrapped": (lambda: Wrapper(_h2o()), lambda: Wrapper(HeavyHitters()))}
+            "wrapped": (lambda: Wrapper(_h2o()), lambda: Wrapper(HeavyHitters())),
+            "selfinfo": (_selfinfo, SelfInformation)}
 
 
 @pytest.mark.parametrize("name", sorted(STATEFUL))

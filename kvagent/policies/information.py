@@ -1,0 +1,69 @@
+"""Self-information: keep what the past could not predict (Selective Context, Li et al., 2023, "Compressing Context
+to Enhance Inference Efficiency of Large Language Models", https://arxiv.org/abs/2310.06201).
+
+The score of the cell holding ``x_p`` is its self-information ``-log P(x_p | x_<p)`` under the model, the forward
+twin of counter-causal surprise: a code, a name or an amount stated once is unpredictable from what came before it,
+while the words around it, and a reply that paraphrases the question, are not. Selective Context computes it with a
+causal LM and drops the least informative phrases or sentences; here it comes from the last layer over the
+penultimate states captured from llama.cpp's decode (the query at ``p - 1``, the keys the cache held before ``p``),
+the same single-layer pass as :class:`~kvagent.policies.surprise.FastSurprise` with the causal mask. Wrap it in
+:class:`~kvagent.policies.spans.Spans` for sentence units.
+
+The score of a cell never changes once computed (its past only loses cells, and it was decoded with the cache
+the first cycle after it sees), so each cell is scored once, at the first cycle that sees it: a cycle costs the
+last layer and the vocabulary head for the new cells only.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+import kvagent.policies.last_layer as last_layer
+from kvagent.policies.base import CacheView, EvictionPolicy, values_from_state, values_state
+
+
+class SelfInformation(EvictionPolicy):
+    """``-log P(x_p | x_<p)`` of each cell from the last layer over captured states, computed once per cell (higher =
+    keep). A cell whose predecessor's state was never recorded (the first cached token, a transplanted skill) is kept
+    (+inf)."""
+
+    name = "selfinfo"
+    needs_hidden = True
+
+    def __init__(self, name: str = "selfinfo") -> None:
+        self.name = name
+        self._info: dict[int, float] = {}  # position -> self-information (nats)
+
+    def score(self, view: CacheView) -> np.ndarray:
+        rows = last_layer.captured_rows(view.hidden, self.name)
+        scores = np.full(len(view), np.inf)
+        if rows.size < 2:
+            return scores
+        hidden = view.hidden[rows]  # type: ignore[index]
+        positions = view.positions[rows]
+        query = view.query_hidden[rows] if view.query_hidden is not None else last_layer.previous_rows(hidden, positions)
+        query = query.copy()
+        done = np.array([int(p) in self._info for p in positions.tolist()], dtype=bool)
+        query[done] = np.nan  # scored at an earlier cycle: not queried again
+        if (~done & ~np.isnan(query[:, 0])).any():
+            logp = last_layer.counter_causal_scores(view.model_path, hidden, positions, view.tokens[rows], "previous",
+                                                    "logprob", query, direction="causal")
+            for p, v in zip(positions[~done].tolist(), logp[~done].tolist()):
+                if np.isfinite(v):
+                    self._info[p] = -v
+        scores[rows] = [self._info.get(int(p), np.inf) for p in positions.tolist()]
+        return scores
+
+    def kept(self, positions: np.ndarray) -> None:
+        keep = set(positions.tolist())
+        self._info = {p: v for p, v in self._info.items() if p in keep}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return values_state(self._info, "info")
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        if set(state) != {"info.pos", "info.value"}:
+            raise ValueError(f"not {self.name}'s state: {sorted(state)[:4]}")
+        self._info = values_from_state(state, "info")
