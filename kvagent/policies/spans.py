@@ -27,36 +27,13 @@ _CLAUSE_END = _SENTENCE_END + ",:"
 _CLOSERS = "\"')]}\u201d\u2019*_ \t"  # may follow the punctuation in the same token ('."', '.)')
 
 
-# words a period follows without ending the sentence ("Dr. Ravensworth", "e.g. a van"); single capitals
-# (initials: "John F. Kennedy") are handled apart
-ABBREVIATIONS = frozenset({
-    "mr", "mrs", "ms", "mx", "dr", "prof", "sr", "jr", "st", "mt", "rev", "gen", "col", "lt", "sgt", "capt", "hon",
-    "vs", "e.g", "i.e", "cf", "approx", "nos", "vol", "dept", "jan", "feb", "apr", "jun", "jul", "aug", "sep", "sept",
-    "oct", "nov", "tue", "thu", "fri", "ave", "blvd",
-})  # not words that also end sentences ("no", "sun", "etc" after a list)
-
-
-def ends_span(text: str, unit: str, word: str = "", following: str | None = None) -> bool:
+def ends_span(text: str, unit: str) -> bool:
     """Whether a token with this text closes a sentence (``unit="sentence"``) or clause: it holds a
-    newline, or ends (closing quotes and brackets aside) with sentence / clause punctuation.
-
-    A period is not an end when the ``following`` token continues the word (it starts with a letter or digit:
-    "3.5", "example.com") or when the ``word`` it closes (the text since the last whitespace, this token's
-    included) is an abbreviation or an initial ("Dr.", "e.g.", "F."): a name after "Dr." stays in the sentence
-    that introduces it."""
+    newline, or ends (closing quotes and brackets aside) with sentence / clause punctuation."""
     if "\n" in text:
         return True
     core = text.rstrip(_CLOSERS)
-    if not core or core[-1] not in (_CLAUSE_END if unit == "clause" else _SENTENCE_END):
-        return False
-    if core[-1] != "." or text.rstrip(" \t") != core:  # '."' or '.)' closes the sentence whatever the word
-        return True
-    if following is not None and following[:1].isalnum():
-        return False
-    stem = (word + core[:-1]).lstrip(" \t\"'([{\u201c\u2018*_")
-    if len(stem) == 1 and stem.isupper():
-        return False
-    return stem.lower() not in ABBREVIATIONS
+    return bool(core) and core[-1] in (_CLAUSE_END if unit == "clause" else _SENTENCE_END)
 
 
 def cut_spans(positions: np.ndarray, texts: tuple[str, ...] | None, pinned: np.ndarray, unit: str = "sentence",
@@ -67,8 +44,7 @@ def cut_spans(positions: np.ndarray, texts: tuple[str, ...] | None, pinned: np.n
     stable from cycle to cycle). ``"sentence"`` / ``"clause"``: a span ends after a token that
     :func:`ends_span`, and after ``max_len`` cells. Every unit also ends a span where pinned and free
     cells meet (segments pinned by the session never share a span with free ones). Without ``texts``
-    sentence units fall back to blocks. A period inside a word ("3.5") or after an abbreviation or initial
-    ("Dr. Ravensworth") does not end a sentence (:func:`ends_span`)."""
+    sentence units fall back to blocks."""
     n = positions.size
     if n == 0:
         return np.zeros(0, dtype=np.int64)
@@ -85,21 +61,13 @@ def cut_spans(positions: np.ndarray, texts: tuple[str, ...] | None, pinned: np.n
         return np.cumsum(starts) - 1
     ids = np.zeros(n, dtype=np.int64)
     span, length = 0, 0
-    word = ""  # the text since the last whitespace, before cell i
     for i in range(n):
         if i and (starts[i] or length >= max_len):
             span, length = span + 1, 0
         ids[i] = span
         length += 1
-        text = texts[i]
-        # a hole (an evicted cell) between i and i + 1 breaks the word: the next token does not continue it
-        following = texts[i + 1] if i + 1 < n and positions[i + 1] == positions[i] + 1 else None
-        if i + 1 < n and ends_span(text, unit, word, following):
+        if ends_span(texts[i], unit) and i + 1 < n:
             starts[i + 1] = True
-        cut = max(text.rfind(c) for c in " \t\n")
-        word = text[cut + 1:] if cut >= 0 else word + text
-        if i + 1 < n and positions[i + 1] != positions[i] + 1:
-            word = ""
     return ids
 
 
