@@ -320,13 +320,19 @@ ENDS_CASES = [
     ("4", "sentence", False), ("Mr", "sentence", False),
 ]
 
+
+@pytest.mark.parametrize(("text", "unit", "ends"), ENDS_CASES, ids=[f"{c[1]}-{c[0]!r}" for c in ENDS_CASES])
+def test_ends_span(text: str, unit: str, ends: bool) -> None:
+    assert ends_span(text, unit) is ends
+
+
 # (id, texts, positions, pinned indices, unit, block, max_len, expected span ids)
 CUT_CASES = [
     ("two-sentences", ["The", " code", " is", " 4", ".", " It", " rains", "."], range(8), [], "sentence", 16, 64,
      [0, 0, 0, 0, 0, 1, 1, 1]),
     ("newline-ends", ["a", "\n", "b", "c", "\n\n", "d"], range(6), [], "sentence", 16, 64, [0, 0, 1, 1, 1, 2]),
-    ("comma-clause", ["a", ",", " b", ".", " c"], range(5), [], "clause", 16, 64, [0, 0, 1, 1, 2]),
-    ("comma-not-sentence", ["a", ",", " b", ".", " c"], range(5), [], "sentence", 16, 64, [0, 0, 0, 0, 1]),
+    ("comma-clause", ["a", ",", "b", ".", "c"], range(5), [], "clause", 16, 64, [0, 0, 1, 1, 2]),
+    ("comma-not-sentence", ["a", ",", "b", ".", "c"], range(5), [], "sentence", 16, 64, [0, 0, 0, 0, 1]),
     ("max-len", ["a"] * 7, range(7), [], "sentence", 16, 3, [0, 0, 0, 1, 1, 1, 2]),
     ("pinned-boundary", ["a", "b", "c", "d", "."], range(5), [1, 2], "sentence", 16, 64, [0, 1, 1, 2, 2]),
     ("blocks-by-position", ["."] * 6, [0, 1, 4, 5, 6, 9], [], "block", 4, 64, [0, 0, 1, 1, 1, 2]),
