@@ -392,10 +392,9 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
     out["selfinfo-token"] = lambda: KeepSinks(info(), SINKS)
     out["selfinfo"] = lambda: KeepSinks(spans(info(), "selfinfo"), SINKS)
     out["hybrid-selfinfo"] = lambda: KeepSinks(Recent(spans(info(), "selfinfo"), HYBRID_SHARE, "hybrid-selfinfo"), SINKS)
-    for w in (0.5,):
-        out[f"mix-info@{w:g}"] = lambda w=w: KeepSinks(spans(RankMix(info(), surprise(), w), f"mix-info@{w:g}"), SINKS)
-        out[f"hybrid-mix-info@{w:g}"] = lambda w=w: KeepSinks(
-            Recent(spans(RankMix(info(), surprise(), w), f"mix-info@{w:g}"), HYBRID_SHARE, f"hybrid-mix-info@{w:g}"), SINKS)
+    out["mix-info@0.5"] = lambda: KeepSinks(spans(RankMix(info(), surprise(), 0.5), "mix-info@0.5"), SINKS)
+    out["hybrid-mix-info@0.5"] = lambda: KeepSinks(
+        Recent(spans(RankMix(info(), surprise(), 0.5), "mix-info@0.5"), HYBRID_SHARE, "hybrid-mix-info@0.5"), SINKS)
     for tool in (0.2, 0.4):
         out[f"shares-tool@{tool:g}"] = lambda t=tool: KeepSinks(
             Shares(Recent(spans(surprise(), "surprise"), 0.25), {"tool": t}, f"shares-tool@{t:g}"), SINKS)

@@ -9,9 +9,9 @@ penultimate states captured from llama.cpp's decode (the query at ``p - 1``, the
 the same single-layer pass as :class:`~kvagent.policies.surprise.FastSurprise` with the causal mask. Wrap it in
 :class:`~kvagent.policies.spans.Spans` for sentence units.
 
-The score of a cell never changes once computed (its past only loses cells, and it was decoded with the cache
-the first cycle after it sees), so each cell is scored once, at the first cycle that sees it: a cycle costs the
-last layer and the vocabulary head for the new cells only.
+A cell is scored once, at the first cycle that sees it: its past then is the cache it was decoded with (evictions
+happen only at cycles), and later cycles only take cells from that past. So a cycle pays the vocabulary head for
+the new cells only (the last layer's keys and values are still projected for every cached cell).
 """
 
 from __future__ import annotations
