@@ -287,15 +287,16 @@ def run(models: list[str], quick: bool, json_path: Path, command: str,
         tasks: tuple[str, ...] = TASKS, policies: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """``tasks`` on every model; writes the JSON after each task (the caller plots). Rows already in
     ``json_path`` (from a run of the same kind, quick or not) for other models or other tasks are kept, so
-    models and tasks can be run one at a time; with ``policies`` (retention and perplexity run those instead of the
-    plan's, next to the full cache), so are the other policies' rows of those tasks."""
+    models and tasks can be run one at a time; with ``policies`` (every task runs those instead of its own list:
+    retention and perplexity next to the full cache, latency next to the prefill), so are the other policies' rows
+    of those tasks."""
     unknown = set(tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"unknown eviction benchmark task(s) {sorted(unknown)}: use {', '.join(TASKS)}")
     plan = Plan.for_run(quick, cases)
     if policies:
         plan = replace(plan, policies=tuple(policies))
-    rows = _kept_rows(json_path, quick, models, tasks, None if not policies else ("full", *policies))
+    rows = _kept_rows(json_path, quick, models, tasks, None if not policies else ("full", "prefill", *policies))
 
     def save() -> None:
         write_json(json_path, command, rows, quick=quick, chunk=plan.chunk, retention_tokens=plan.tokens,
@@ -311,12 +312,12 @@ def run(models: list[str], quick: bool, json_path: Path, command: str,
                     rows += perplexity(engine, plan, 5, progress)
                     save()
                 if "overhead" in tasks:
-                    rows += overhead(engine, POLICIES, plan.overhead_budget, plan.chunk,
+                    rows += overhead(engine, tuple(policies or POLICIES), plan.overhead_budget, plan.chunk,
                                      plan.overhead_steps, 3, progress)
                     save()
         if "latency" in tasks:
             with load_engine(model, max(plan.sizes) + 256) as engine:
-                rows += latency(engine, plan.sizes, LATENCY_POLICIES, progress)
+                rows += latency(engine, plan.sizes, tuple(policies or LATENCY_POLICIES), progress)
                 save()
     return rows
 
@@ -324,8 +325,8 @@ def run(models: list[str], quick: bool, json_path: Path, command: str,
 def _kept_rows(json_path: Path, quick: bool, models: list[str], tasks: tuple[str, ...],
                policies: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """The rows of ``json_path`` (if it is a run of the same kind) that this run does not measure again: of
-    another model, of a task not in ``tasks``, or (``policies`` given, for retention and perplexity) of another
-    policy."""
+    another model, of a task not in ``tasks``, or (``policies`` given) of another policy. Latency's ratio rows
+    (``full/fast``, ``fast/prefill``) go with the prefill they divide by."""
     if not json_path.is_file():
         return []
     try:
@@ -335,7 +336,7 @@ def _kept_rows(json_path: Path, quick: bool, models: list[str], tasks: tuple[str
         def measured(r: dict[str, Any]) -> bool:
             if r["task"] not in tasks or not any(r["model"].startswith(m) for m in models):
                 return False
-            return policies is None or r["task"] not in ("retention", "perplexity") or r["policy"] in policies
+            return policies is None or r["policy"] in policies or (r["task"] == "latency" and "/" in r["policy"])
 
         return [r for r in old["rows"] if not measured(r)]
     except (ValueError, KeyError):

@@ -341,7 +341,10 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
     ``shared`` (the ``once`` setting; call once per case): every surprise variant of one head, every
     self-information variant and every reconstruction variant shares one pass (:class:`Memo`); else each policy gets its own."""
     from kvagent.policies import HYBRID_SHARE, SINKS, IncrementalSurprise, KeepSinks, RankMix, Recent, Reconstruction, Shares, Spans
+    from kvagent.policies.base import KeepMarkers
     from kvagent.policies.information import SelfInformation
+    from kvagent.policies.recurrence import FutureCopy
+    from kvagent.policies.spans import TurnContrast
 
     memo_s, memo_k = Memo(IncrementalSurprise(name="surprise-token")), Memo(Reconstruction())
     memo_f = Memo(IncrementalSurprise(name="surprise-token-f32", head="float32"))
@@ -395,6 +398,20 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
     out["mix-info@0.5"] = lambda: KeepSinks(spans(RankMix(info(), surprise(), 0.5), "mix-info@0.5"), SINKS)
     out["hybrid-mix-info@0.5"] = lambda: KeepSinks(
         Recent(spans(RankMix(info(), surprise(), 0.5), "mix-info@0.5"), HYBRID_SHARE, "hybrid-mix-info@0.5"), SINKS)
+    # sentences that stand out from their turn (TurnContrast) by self-information, words the future repeats
+    # discounted (FutureCopy: 1 = no discount), the turn's baseline its mean cell or its median sentence; with the
+    # window, and with the chat format's control tokens always kept
+    for d in (0.0, 0.5, 1.0):
+        out[f"contrast@{d:g}"] = lambda d=d: KeepSinks(TurnContrast(FutureCopy(info(), d), name=f"contrast@{d:g}"), SINKS)
+    out["contrast-median@0.5"] = lambda: KeepSinks(TurnContrast(FutureCopy(info(), 0.5), baseline="median",
+                                                                name="contrast-median@0.5"), SINKS)
+    out["hybrid-contrast@0.5"] = lambda: KeepSinks(Recent(TurnContrast(FutureCopy(info(), 0.5)), HYBRID_SHARE,
+                                                          "hybrid-contrast@0.5"), SINKS)
+    for share in (0.25, 0.4, 0.6):
+        out[f"contrast+recent@{share:g}"] = lambda s=share: KeepSinks(Recent(TurnContrast(FutureCopy(info(), 0.5)), s,
+                                                                        f"contrast+recent@{s:g}"), SINKS)
+    out["contrast+ctrl@0.5"] = lambda: KeepSinks(KeepMarkers(TurnContrast(FutureCopy(info(), 0.5)), False,
+                                                             "contrast+ctrl@0.5"), SINKS)
     for tool in (0.2, 0.4):
         out[f"shares-tool@{tool:g}"] = lambda t=tool: KeepSinks(
             Shares(Recent(spans(surprise(), "surprise"), 0.25), {"tool": t}, f"shares-tool@{t:g}"), SINKS)

@@ -12,12 +12,14 @@ from kvagent.policies.compose import RankMix, Recent, Shares
 from kvagent.policies.incremental import IncrementalSurprise
 from kvagent.policies.information import SelfInformation
 from kvagent.policies.reconstruction import Reconstruction
+from kvagent.policies.recurrence import FutureCopy
 from kvagent.policies.simple import RandomScores, Recency
-from kvagent.policies.spans import Spans
+from kvagent.policies.spans import Spans, TurnContrast
 from kvagent.policies.surprise import FastSurprise, FullSurprise
 
 SINKS = 4  # first tokens every policy keeps (StreamingLLM's attention sinks)
 HYBRID_SHARE = 0.1  # the recent window's share of the hybrid's room (chosen on the calibration split)
+COPY_DISCOUNT = 0.5  # contrast: the weight left to a word the future repeats (chosen on the calibration split)
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     # "surprise": span-level (sentences cut from the token texts, ranked by their most surprising token and
@@ -54,6 +56,13 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     # share was chosen on the held-out calibration split (BENCHMARKS.md, "Held-out eviction")
     "hybrid": lambda: KeepSinks(Recent(Spans(IncrementalSurprise(), "sentence", "max", name="surprise"), HYBRID_SHARE,
                                        name="hybrid"), SINKS),
+    # sentences ranked by how much their self-information stands out from their turn's, words the future repeats
+    # discounted (a copy model's counter-causal surprise), beside the hybrid's recent window: the held-out
+    # calibration split's choice (BENCHMARKS.md, "Held-out eviction"); "contrast-only" without the window
+    "contrast": lambda: KeepSinks(Recent(TurnContrast(FutureCopy(SelfInformation(), COPY_DISCOUNT), reduce="mean",
+                                                      baseline="mean"), HYBRID_SHARE, name="contrast"), SINKS),
+    "contrast-only": lambda: KeepSinks(TurnContrast(FutureCopy(SelfInformation(), COPY_DISCOUNT), reduce="mean",
+                                                    baseline="mean", name="contrast-only"), SINKS),
 }
 
 
@@ -70,5 +79,5 @@ def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
 __all__ = [
     "CacheView", "EvictionPolicy", "KeepSinks", "select_keep", "get_policy", "POLICIES", "FastSurprise",
     "FullSurprise", "IncrementalSurprise", "HeavyHitters", "ImportanceSampling", "LatestQuery", "Recency", "RandomScores",
-    "RankMix", "Recent", "Reconstruction", "SelfInformation", "Shares", "Spans", "Wrapper",
+    "FutureCopy", "RankMix", "Recent", "Reconstruction", "SelfInformation", "Shares", "Spans", "TurnContrast", "Wrapper",
 ]

@@ -13,22 +13,18 @@ from collections.abc import Mapping
 import numpy as np
 
 import kvagent.policies.last_layer as last_layer
-from kvagent.policies.base import (
-    CacheView, EvictionPolicy, load_rng, rng_state, under_prefix, values_from_state, values_state, with_prefix,
-)
+from kvagent.policies.base import CacheView, EvictionPolicy, PositionTable, load_rng, rng_state, under_prefix, with_prefix
 
 
-class HeavyHitters(EvictionPolicy):
+class HeavyHitters(PositionTable):
     """H2O (Zhang et al., 2023): keep the tokens with the largest attention accumulated over every query
     since they were cached. Each cycle adds the attention of the tokens decoded since the last one
     (summed over heads and queries) to a per-position total; evicted positions are forgotten. This is
     the self-reinforcing score the surprise paper argues against: kept tokens keep collecting attention."""
 
     name = "h2o"
+    table = "total"
     needs_hidden = True
-
-    def __init__(self) -> None:
-        self._total: dict[int, float] = {}
 
     def accumulate(self, view: CacheView) -> np.ndarray:
         """Update and return the accumulated attention ``[n]`` (NaN where no hidden state exists)."""
@@ -41,24 +37,12 @@ class HeavyHitters(EvictionPolicy):
             probs = last_layer.attention(view.model_path, hidden[rows], view.positions[rows], queries)
             gained = probs.sum(axis=(0, 1))
             for p, g in zip(view.positions[rows].tolist(), gained.tolist()):
-                self._total[p] = self._total.get(p, 0.0) + g
-        return np.array([self._total.get(int(p), np.nan) if ok else np.nan for p, ok in zip(view.positions, present)])
+                self._values[p] = self._values.get(p, 0.0) + g
+        return np.array([self._values.get(int(p), np.nan) if ok else np.nan for p, ok in zip(view.positions, present)])
 
     def score(self, view: CacheView) -> np.ndarray:
         total = self.accumulate(view)
         return np.where(np.isnan(total), np.inf, total)
-
-    def kept(self, positions: np.ndarray) -> None:
-        keep = set(positions.tolist())
-        self._total = {p: s for p, s in self._total.items() if p in keep}
-
-    def state(self) -> dict[str, np.ndarray]:
-        return values_state(self._total, "total")
-
-    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
-        if set(state) != {"total.pos", "total.value"}:
-            raise ValueError(f"not {self.name}'s state: {sorted(state)[:4]}")
-        self._total = values_from_state(state, "total")
 
 
 class ImportanceSampling(HeavyHitters):

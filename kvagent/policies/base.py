@@ -132,6 +132,47 @@ class KeepSinks(Wrapper):
         return scores
 
 
+class PositionTable(EvictionPolicy):
+    """A policy whose running state is one value per cached position (H2O's accumulated attention, a cell's
+    self-information): forgotten when its cell is evicted, saved as the ``{table}.pos`` / ``{table}.value`` arrays."""
+
+    table = "values"
+
+    def __init__(self) -> None:
+        self._values: dict[int, float] = {}  # position -> value
+
+    def kept(self, positions: np.ndarray) -> None:
+        keep = set(positions.tolist())
+        self._values = {p: v for p, v in self._values.items() if p in keep}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return values_state(self._values, self.table)
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        if set(state) != {f"{self.table}.pos", f"{self.table}.value"}:
+            raise ValueError(f"not {self.name}'s state: {sorted(state)[:4]}")
+        self._values = values_from_state(state, self.table)
+
+
+class KeepMarkers(Wrapper):
+    """Wraps a policy and always keeps the chat format's markers: control tokens (turn starts and ends, whose text is
+    empty: llama.cpp renders no piece for them) and, with ``lines``, every token holding a line break. Other attention
+    sinks than the first tokens (models put attention mass on delimiters; Xiao et al., 2023, observe the first tokens,
+    later work finds sinks at separators too), and what tells the model whose turn a kept sentence belongs to. Needs
+    the view's ``texts`` (the Evictor fills them); without them it is the inner policy."""
+
+    def __init__(self, inner: EvictionPolicy, lines: bool = False, name: str | None = None) -> None:
+        super().__init__(inner, name)
+        self.lines = lines
+
+    def score(self, view: CacheView) -> np.ndarray:
+        scores = np.asarray(self.inner.score(view), dtype=np.float64).copy()
+        if view.texts is not None:
+            marks = np.fromiter((t == "" or (self.lines and "\n" in t) for t in view.texts), bool, len(view))
+            scores[marks] = np.inf
+        return scores
+
+
 def with_prefix(prefix: str, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``state``'s arrays named ``{prefix}.{name}`` (a composite saves its parts' states side by side)."""
     return {f"{prefix}.{k}": v for k, v in state.items()}

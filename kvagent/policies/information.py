@@ -16,25 +16,24 @@ the new cells only (the last layer's keys and values are still projected for eve
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import numpy as np
 
 import kvagent.policies.last_layer as last_layer
-from kvagent.policies.base import CacheView, EvictionPolicy, values_from_state, values_state
+from kvagent.policies.base import CacheView, PositionTable
 
 
-class SelfInformation(EvictionPolicy):
+class SelfInformation(PositionTable):
     """``-log P(x_p | x_<p)`` of each cell from the last layer over captured states, computed once per cell (higher =
     keep). A cell whose predecessor's state was never recorded (the first cached token, a transplanted skill) is kept
     (+inf)."""
 
     name = "selfinfo"
+    table = "info"  # position -> self-information (nats)
     needs_hidden = True
 
     def __init__(self, name: str = "selfinfo") -> None:
+        super().__init__()
         self.name = name
-        self._info: dict[int, float] = {}  # position -> self-information (nats)
 
     def score(self, view: CacheView) -> np.ndarray:
         rows = last_layer.captured_rows(view.hidden, self.name)
@@ -45,25 +44,13 @@ class SelfInformation(EvictionPolicy):
         positions = view.positions[rows]
         query = view.query_hidden[rows] if view.query_hidden is not None else last_layer.previous_rows(hidden, positions)
         query = query.copy()
-        done = np.array([int(p) in self._info for p in positions.tolist()], dtype=bool)
+        done = np.array([int(p) in self._values for p in positions.tolist()], dtype=bool)
         query[done] = np.nan  # scored at an earlier cycle: not queried again
         if (~done & ~np.isnan(query[:, 0])).any():
             logp = last_layer.counter_causal_scores(view.model_path, hidden, positions, view.tokens[rows], "previous",
                                                     "logprob", query, direction="causal")
             for p, v in zip(positions[~done].tolist(), logp[~done].tolist()):
                 if np.isfinite(v):
-                    self._info[p] = -v
-        scores[rows] = [self._info.get(int(p), np.inf) for p in positions.tolist()]
+                    self._values[p] = -v
+        scores[rows] = [self._values.get(int(p), np.inf) for p in positions.tolist()]
         return scores
-
-    def kept(self, positions: np.ndarray) -> None:
-        keep = set(positions.tolist())
-        self._info = {p: v for p, v in self._info.items() if p in keep}
-
-    def state(self) -> dict[str, np.ndarray]:
-        return values_state(self._info, "info")
-
-    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
-        if set(state) != {"info.pos", "info.value"}:
-            raise ValueError(f"not {self.name}'s state: {sorted(state)[:4]}")
-        self._info = values_from_state(state, "info")

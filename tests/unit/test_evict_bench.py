@@ -129,13 +129,20 @@ def test_plot_writes_one_figure_per_task_named_after_its_json(tmp_path: Path, st
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
+LATENCY_ROWS = {("m", "latency", p) for p in ("h2o", "prefill", "fast/prefill", "contrast")}
+
+
 @pytest.mark.parametrize(("tasks", "policies", "kept"), [
-    (("perplexity",), None, {("m", "retention", "window"), ("other", "perplexity", "window")}),
+    (("perplexity",), None, {("m", "retention", "window"), ("other", "perplexity", "window")} | LATENCY_ROWS),
     (("perplexity",), ("full", "hybrid"), {("m", "retention", "window"), ("other", "perplexity", "window"),
-                                           ("m", "perplexity", "window")}),
+                                           ("m", "perplexity", "window")} | LATENCY_ROWS),
     (("overhead",), ("full", "hybrid"), {("m", "retention", "window"), ("other", "perplexity", "window"),
                                          ("m", "perplexity", "window"), ("m", "perplexity", "full"),
-                                         ("m", "perplexity", "hybrid")}),
+                                         ("m", "perplexity", "hybrid")} | LATENCY_ROWS),
+    # latency with chosen policies: their rows, the prefill and the ratios over it go; other policies' rows stay
+    (("latency",), ("full", "prefill", "contrast"), {("m", "retention", "window"), ("other", "perplexity", "window"),
+                                                    ("m", "perplexity", "window"), ("m", "perplexity", "full"),
+                                                    ("m", "perplexity", "hybrid"), ("m", "latency", "h2o")}),
 ])
 def test_a_run_replaces_only_the_rows_it_measures(tmp_path: Path, tasks: tuple[str, ...],
                                                   policies: tuple[str, ...] | None, kept: set[tuple[str, str, str]]) -> None:
@@ -143,7 +150,8 @@ def test_a_run_replaces_only_the_rows_it_measures(tmp_path: Path, tasks: tuple[s
 
     old = [{"model": m, "task": t, "policy": p} for m, t, p in [
         ("m", "retention", "window"), ("m", "perplexity", "window"), ("m", "perplexity", "full"),
-        ("m", "perplexity", "hybrid"), ("other", "perplexity", "window")]]
+        ("m", "perplexity", "hybrid"), ("other", "perplexity", "window"), ("m", "latency", "h2o"),
+        ("m", "latency", "prefill"), ("m", "latency", "fast/prefill"), ("m", "latency", "contrast")]]
     path = tmp_path / "evict.json"
     path.write_text(json.dumps({"quick": False, "rows": old}))
     got = evict._kept_rows(path, False, ["m"], tasks, policies)

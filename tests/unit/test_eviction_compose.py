@@ -325,3 +325,108 @@ def test_without_a_scratch_sequence_the_probe_is_none() -> None:
     ev.decode([1, 2, 3], range(3), [0] * 3, [False] * 3)
     ev.cycle(0, [1, 2, 3], [0, 1, 2], [False] * 3)
     assert policy.views[0].probe is None
+
+
+# --- turn contrast and the future's copies -------------------------------------------------------------
+def text_view(texts: list[str], labels: list[str] | None = None, tokens: list[int] | None = None,
+              budget: int | None = None) -> CacheView:
+    n = len(texts)
+    return CacheView(tokens=np.array(tokens if tokens is not None else range(100, 100 + n), dtype=np.int64),
+                     positions=np.arange(n, dtype=np.int64), pinned=np.zeros(n, dtype=bool),
+                     new=np.ones(n, dtype=bool), hidden=None, model_path=Path("m.gguf"), texts=tuple(texts),
+                     budget=budget, labels=None if labels is None else tuple(labels))
+
+
+@pytest.mark.parametrize(("texts", "labels", "expected"), [
+    (["", "user", "\n", "Hi", ".", "", "\n"], None, [0, 0, 0, 0, 0, 1, 1]),  # control tokens open turns
+    (["a", "b", "c", "d"], ["user", "user", "tool", "tool"], [0, 0, 1, 1]),  # so do label changes
+    (["", "a", "b"], ["user", "user", "user"], [0, 0, 0]),  # the first cell opens nothing
+    (None, None, [0, 0, 0]),
+])
+def test_turn_ids(texts: list[str] | None, labels: list[str] | None, expected: list[int]) -> None:
+    from kvagent.policies.spans import turn_ids
+
+    n = len(expected)
+    assert turn_ids(None if texts is None else tuple(texts), None if labels is None else tuple(labels),
+                    n).tolist() == expected
+
+
+# two turns of two sentences: turn 1 is dense everywhere (mean 8), turn 2 routine (mean 2) with one line standing out
+CONTRAST_TEXTS = ["", " A", " b.", " C", " d.", "", " e", " f.", " G", " 42."]
+CONTRAST_SCORES = [np.inf, 9.0, 9.0, 7.0, 7.0, np.inf, 1.0, 1.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize(("baseline", "budget", "expected"), [
+    # spans: [A b.] 9 -> +1 over its turn's mean 8, [C d.] -1; [e f.] -1, [G 42.] +1 over 2: the two outstanding
+    # lines go first, the dense turn's second line does not beat the routine turn's standout
+    ("mean", 6, [0, 1, 2, 5, 8, 9]),
+    ("median", 6, [0, 1, 2, 5, 8, 9]),
+    ("mean", 8, [0, 1, 2, 5, 6, 7, 8, 9]),  # then the later of the tied -1 spans, as Spans breaks ties
+])
+def test_turn_contrast_keeps_what_stands_out_in_each_turn(baseline: str, budget: int, expected: list[int]) -> None:
+    from kvagent.policies.spans import Spans, TurnContrast
+
+    v = text_view(CONTRAST_TEXTS, budget=budget)
+    assert kept(TurnContrast(Fixed(CONTRAST_SCORES), reduce="mean", baseline=baseline), v) == expected
+    # the plain span mean spends the same room on the dense turn (the last cell is always kept)
+    assert kept(Spans(Fixed(CONTRAST_SCORES), "sentence", "mean"), text_view(CONTRAST_TEXTS, budget=6)) == [0, 1, 2, 4, 5, 9]
+
+
+def test_turn_contrast_refuses_an_unknown_baseline() -> None:
+    from kvagent.policies.spans import TurnContrast
+
+    with pytest.raises(ValueError, match="use one of mean, median"):
+        TurnContrast(Fixed([0.0]), baseline="max")
+
+
+@pytest.mark.parametrize(("texts", "tokens", "ngram", "expected"), [
+    # a word counts again later whatever its case; the last mention is the one not repeated
+    ([" Rice", " and", " rice"], [1, 2, 3], 3, [True, False, False]),
+    ([" is", " a", " is"], [1, 2, 1], 3, [False, False, False]),  # under min_len: matched by n-grams, which differ
+    # digits are no words: the 3-gram ending at a token must recur ([5, 6, 7] does, [1, 5, 6] does not)
+    (["1", "5", "6", "7", "|", "5", "6", "7"], [1, 5, 6, 7, 9, 5, 6, 7], 3, [False] * 3 + [True] + [False] * 4),
+    (["1", "5", "6", "7", "|", "5", "6", "7"], [1, 5, 6, 7, 9, 5, 6, 7], 2, [False, False, True, True] + [False] * 4),
+    (["1", "5", "6", "7", "|", "5", "6", "7"], [1, 5, 6, 7, 9, 5, 6, 7], 0, [False] * 8),  # words only
+])
+def test_recurs_later(texts: list[str], tokens: list[int], ngram: int, expected: list[bool]) -> None:
+    from kvagent.policies.recurrence import recurs_later
+
+    assert recurs_later(np.array(tokens), tuple(texts), ngram).tolist() == expected
+
+
+def test_future_copy_discounts_what_recurs_and_keeps_inf() -> None:
+    from kvagent.policies.recurrence import FutureCopy
+
+    v = text_view(["", " cabbage", " rice", " code", " cabbage"], tokens=[0, 1, 2, 3, 1])
+    scores = FutureCopy(Fixed([np.inf, 8.0, 6.0, 4.0, 8.0]), 0.25).score(v)
+    assert scores.tolist() == [np.inf, 2.0, 6.0, 4.0, 8.0]
+    with pytest.raises(ValueError, match=r"discount must be in \[0, 1\]"):
+        FutureCopy(Fixed([0.0]), 1.5)
+
+
+def test_turn_contrast_remembers_a_pruned_turn_and_its_marker() -> None:
+    """A turn pruned to its outstanding line is still measured against everything it held (the line keeps its +4),
+    and its cells stay in it after its marker went: a new turn's routine line (0 over its own mean) does not push it
+    out. Measured against what is left, the line would score 0 and lose to the later, equal line."""
+    from kvagent.policies.spans import Spans, TurnContrast
+
+    a_texts = ["", " x.", " y.", " z.", " code 42."]  # a marker, three routine lines, one standout
+    a_scores = {0: np.inf, 1: 2.0, 2: 2.0, 3: 2.0, 4: 6.0}  # turn A's mean: 3; the standout +3
+    policy = TurnContrast(Fixed([0.0]), reduce="mean")
+    first = text_view(a_texts, budget=3)
+    policy.inner = Fixed([a_scores[p] for p in range(5)])
+    keep = select_keep(policy.score(first), first.pinned, 3)
+    assert keep.tolist() == [0, 3, 4]  # the marker (inf), the standout, and the last cell
+    policy.kept(first.positions[keep])
+    # the next cycle: A without its marker (say another policy evicted it), then turn B
+    positions = [3, 4, 5, 6, 7]
+    texts = [" z.", " code 42.", "", " u.", " v."]
+    scores = [2.0, 6.0, np.inf, 6.0, 6.0]  # B: routine lines as dense as A's standout
+    second = CacheView(tokens=np.arange(5, dtype=np.int64), positions=np.array(positions, dtype=np.int64),
+                       pinned=np.zeros(5, dtype=bool), new=np.array([False, False, True, True, True]), hidden=None,
+                       model_path=Path("m.gguf"), texts=tuple(texts), budget=3)
+    policy.inner = Fixed(scores)
+    assert policy.turns(second).tolist() == [-1, -1, 5, 5, 5]  # A opened before any recorded start
+    assert select_keep(policy.score(second), second.pinned, 3).tolist() == [1, 2, 4]  # A's standout, B's marker, last
+    plain = Spans(Fixed(scores), "sentence", "mean")
+    assert select_keep(plain.score(second), second.pinned, 3).tolist() == [2, 3, 4]  # the later of the equal lines

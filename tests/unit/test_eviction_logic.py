@@ -147,6 +147,30 @@ def test_keep_sinks_survive_a_window_selection() -> None:
     assert keep.tolist() == [0, 1, 2, 3, 16, 17, 18, 19]
 
 
+@pytest.mark.parametrize(
+    ("texts", "lines", "kept"),
+    [
+        (("", "user", "\n", " Hi", ".", "", "\n"), False, [0, 5]),  # control tokens render as ""
+        (("", "user", "\n", " Hi", ".", "", "\n"), True, [0, 2, 5, 6]),
+        ((" a", " b.\n\n", " c"), False, []),
+        ((" a", " b.\n\n", " c"), True, [1]),
+        (None, True, []),  # no token texts: the inner policy's scores
+    ],
+)
+def test_keep_markers_forces_control_tokens_and_line_breaks(texts: tuple[str, ...] | None, lines: bool,
+                                                            kept: list[int]) -> None:
+    from dataclasses import replace
+
+    from kvagent.policies.base import KeepMarkers
+
+    v = replace(view(len(texts) if texts else 4), texts=texts)
+    inner = Constant()
+    scores = KeepMarkers(inner, lines).score(v)
+    assert np.flatnonzero(np.isposinf(scores)).tolist() == kept
+    rest = ~np.isposinf(scores)
+    assert np.array_equal(scores[rest], inner.score(v)[rest])
+
+
 # --- policy names --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["nope", "", "Surprise", "h2o ", "window,random"])
 def test_unknown_policy_lists_every_valid_name(bad: str) -> None:

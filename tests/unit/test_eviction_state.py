@@ -17,12 +17,14 @@ from hypothesis.extra import numpy as hnp
 from kvagent.errors import KVBlobError
 from kvagent.kvblob import MAGIC, STATE_DTYPES, KVBlob
 from kvagent.policies.attention import HeavyHitters, ImportanceSampling
-from kvagent.policies.information import SelfInformation
 from kvagent.policies.base import CacheView, EvictionPolicy, Wrapper
 from kvagent.policies.compose import RankMix
 from kvagent.policies.incremental import IncrementalSurprise
+from kvagent.policies.information import SelfInformation
 from kvagent.policies.reconstruction import Reconstruction
+from kvagent.policies.recurrence import FutureCopy
 from kvagent.policies.simple import RandomScores, Recency
+from kvagent.policies.spans import TurnContrast
 
 FP, FMT = "a" * 64, "fmt-1"
 
@@ -108,13 +110,13 @@ def _view(n: int) -> CacheView:
 
 def _h2o() -> HeavyHitters:
     p = HeavyHitters()
-    p._total = {3: 0.5, 7: 1.25, 9: 0.0}
+    p._values = {3: 0.5, 7: 1.25, 9: 0.0}
     return p
 
 
 def _importance() -> ImportanceSampling:
     p = ImportanceSampling(seed=3)
-    p._total = {1: 2.0}
+    p._values = {1: 2.0}
     p._rng.random(5)
     return p
 
@@ -133,7 +135,7 @@ def _random() -> RandomScores:
 
 def _selfinfo() -> SelfInformation:
     p = SelfInformation()
-    p._info = {2: 3.5, 6: 0.125}
+    p._values = {2: 3.5, 6: 0.125}
     return p
 
 
@@ -141,11 +143,18 @@ def _mix() -> RankMix:
     return RankMix(_h2o(), _reconstruction(), 0.5)
 
 
+def _contrast() -> TurnContrast:
+    p = TurnContrast(FutureCopy(_selfinfo()))
+    p._starts, p._sums, p._counted = [0, 7], {0: [12.5, 4.0], 7: [3.0, 1.0]}, {1, 2, 3, 8}
+    return p
+
+
 STATEFUL = {"h2o": (_h2o, HeavyHitters), "importance": (_importance, lambda: ImportanceSampling(seed=9)),
             "kvzip": (_reconstruction, Reconstruction), "random": (_random, lambda: RandomScores(seed=5)),
             "mix": (_mix, lambda: RankMix(HeavyHitters(), Reconstruction(), 0.5)),
             "wrapped": (lambda: Wrapper(_h2o()), lambda: Wrapper(HeavyHitters())),
-            "selfinfo": (_selfinfo, SelfInformation)}
+            "selfinfo": (_selfinfo, SelfInformation),
+            "contrast": (_contrast, lambda: TurnContrast(FutureCopy(SelfInformation())))}
 
 
 @pytest.mark.parametrize("name", sorted(STATEFUL))
