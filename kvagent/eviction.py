@@ -37,10 +37,11 @@ _MARGIN = 16
 
 @dataclass(frozen=True)
 class Eviction:
-    """How a session forgets: ``policy`` (a name from ``kvagent.policies.POLICIES`` or an instance),
-    ``budget`` J cells kept after a cycle, ``chunk`` h tokens inferred between cycles."""
+    """How a session forgets: ``policy`` (a name from ``kvagent.policies.POLICIES`` or an instance; default
+    ``"contrast"``, the policy that kept the most facts on the held-out agent cases), ``budget`` J cells kept after a
+    cycle, ``chunk`` h tokens inferred between cycles."""
 
-    policy: str | EvictionPolicy = "surprise"
+    policy: str | EvictionPolicy = "contrast"
     budget: int = 1024
     chunk: int = 64
 

@@ -47,7 +47,7 @@ def check_fits(n_tokens: int, n_ctx: int, can_evict: bool) -> None:
         raise ContextOverflowError(
             f"prompt of {n_tokens} tokens does not fit the context of {n_ctx}: shorten it, load the "
             "engine with a larger n_ctx, or open the session with an eviction policy "
-            "(engine.session(..., eviction=Eviction('surprise', budget=...))); nothing was cut or changed"
+            "(engine.session(..., eviction=Eviction('contrast', budget=...))); nothing was cut or changed"
         )
 
 
