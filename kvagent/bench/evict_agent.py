@@ -424,7 +424,7 @@ CALIBRATION_POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise", "
 
 
 # the test split's set: the baselines, the paper's and the span-level surprise, and what the calibration chose
-TEST_POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise", "hybrid", "kvzip")
+TEST_POLICIES = ("window", "h2o", "tova", "surprise-token", "surprise", "hybrid", "kvzip", "contrast")
 
 
 PALETTE = tuple(f"C{i}" for i in range(10) if i != 7)  # matplotlib's C7 is grey: the full cache's colour

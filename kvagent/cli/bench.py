@@ -164,8 +164,9 @@ def bench_evict(
     contexts: int = typer.Option(24, help="Held-out contexts (3 questions each)."),
     dialogues: int = typer.Option(2, help="Held-out long conversations decoded under eviction (3-4 questions each)."),
     policies: str = typer.Option(None, help="Policies, comma-separated. Held-out: default the calibration "
-                                 "candidates on --split calibration, the chosen set on test. Books: retention and "
-                                 "perplexity run these (and the full cache) instead, replacing only their rows."),
+                                 "candidates on --split calibration, the chosen set on test. Books: every task runs these "
+                                 "instead of its own list (retention and perplexity beside the full cache, latency "
+                                 "beside the prefill), replacing only their rows."),
     budgets: str = typer.Option("0.25", help="Held-out budgets (shares of the context), comma-separated."),
     peer: str = typer.Option(None, help="'kvpress': also run NVIDIA kvpress's presses on the same cases "
                              "(pip install 'kvagent[kvpress]')."),
