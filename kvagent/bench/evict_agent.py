@@ -341,6 +341,7 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
     ``shared`` (the ``once`` setting; call once per case): every surprise variant of one head, every
     self-information variant and every reconstruction variant shares one pass (:class:`Memo`); else each policy gets its own."""
     from kvagent.policies import HYBRID_SHARE, SINKS, IncrementalSurprise, KeepSinks, RankMix, Recent, Reconstruction, Shares, Spans
+    from kvagent.policies.compose import RankMax
     from kvagent.policies.base import KeepMarkers
     from kvagent.policies.information import SelfInformation
     from kvagent.policies.recurrence import FutureCopy
@@ -410,6 +411,11 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
     for share in (0.25, 0.4, 0.6):
         out[f"contrast+recent@{share:g}"] = lambda s=share: KeepSinks(Recent(TurnContrast(FutureCopy(info(), 0.5)), s,
                                                                         f"contrast+recent@{s:g}"), SINKS)
+    # the union of contrast's order and span-level self-information's (a sentence's rarest token): a long single
+    # turn gives the contrast no other turn to compare with, and its mean ranks a plain fact sentence below prose
+    out["contrast|selfinfo"] = lambda: KeepSinks(Recent(RankMax(TurnContrast(FutureCopy(info(), 0.5)),
+                                                                spans(info(), "selfinfo")), HYBRID_SHARE,
+                                                         "contrast|selfinfo"), SINKS)
     out["contrast+ctrl@0.5"] = lambda: KeepSinks(KeepMarkers(TurnContrast(FutureCopy(info(), 0.5)), False,
                                                              "contrast+ctrl@0.5"), SINKS)
     for tool in (0.2, 0.4):

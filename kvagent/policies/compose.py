@@ -135,3 +135,19 @@ class RankMix(EvictionPolicy):
 
     def input_layers(self, n_layer: int, model_path: Path) -> tuple[int, ...]:
         return tuple(sorted(set(self.a.input_layers(n_layer, model_path)) | set(self.b.input_layers(n_layer, model_path))))
+
+
+class RankMax(RankMix):
+    """The better of two policies' ranks (ranks in [0, 1); ``b``'s scaled by ``weight``): a cell either policy ranks
+    high is kept, the two orders interleaved, so each policy's best cells share the room. A cell either keeps always
+    (+inf) is kept."""
+
+    def __init__(self, a: EvictionPolicy, b: EvictionPolicy, weight: float = 1.0, name: str | None = None) -> None:
+        super().__init__(a, b, weight, name or f"max({a.name},{b.name})")
+
+    def score(self, view: CacheView) -> np.ndarray:
+        ra, rb = ranks01(self.a.score(view)), ranks01(self.b.score(view))
+        keep = np.isposinf(ra) | np.isposinf(rb)
+        best = np.maximum(np.where(keep, 0.0, ra), self.weight * np.where(keep, 0.0, rb))
+        best[keep] = np.inf
+        return best
