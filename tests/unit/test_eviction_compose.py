@@ -156,6 +156,16 @@ def test_rank_mix_keeps_what_either_always_keeps() -> None:
     assert np.isposinf(mix.score(view(4, 2))[[0, 2]]).all()
 
 
+@pytest.mark.parametrize(("weight", "expected"), [(1.0, [0, 3, 5]), (0.5, [0, 1, 5])])
+def test_rank_max_interleaves_both_orders(weight: float, expected: list[int]) -> None:
+    from kvagent.policies.compose import RankMax
+
+    # a ranks cell 0 first, b cell 3: with equal weight each gets its best cell; b at half weight gets none
+    a, b = Fixed([6, 5, 4, 3, 2, 0]), Fixed([0, 3, 1, 5, 4, 0])
+    assert kept(RankMax(a, b, weight), view(6, 3)) == expected
+    assert np.isposinf(RankMax(Fixed([np.inf, 0, 0, 0]), Fixed([0, 0, np.inf, 0])).score(view(4, 2))[[0, 2]]).all()
+
+
 # --- registry --------------------------------------------------------------------------------------------
 def test_the_new_policies_are_registered_by_name() -> None:
     for name in ("kvzip", "surprise", "surprise-token"):
