@@ -19,9 +19,11 @@ SHIPPED = {s.name: s for s in load_skills([Path(__file__).resolve().parents[2] /
 POLICY = Segment.policy("You are the support agent of Northwind Outdoor. Be brief.")
 QUESTION = Segment.user("Can I return a used stove?")
 # A transplanted skill's KV was computed without the prompt's prefix (here the policy), so it is an
-# approximation. Measured on this suite: SmolLM2 0.968-0.997, Gemma-3 0.990-0.9998 (seam 4); with
-# nothing before the skill but the sink it was compiled behind, 0.998-0.9999 on both.
-FIDELITY = {"smollm2-135m": 0.96, "gemma3-270m": 0.985}
+# approximation. Measured on this suite: SmolLM2 0.968-0.997, Gemma-3 0.990-0.9998 (seam 4) on an AVX-512
+# machine; on an AVX2-only one (2026-12-04, same portable wheel flags, other CPU kernels) SmolLM2 0.957-0.996
+# (0.957: policy, refund-policy, a field, lookup-order-tool, question), Gemma-3 0.989-0.9996. With nothing before
+# the skill but the sink it was compiled behind, 0.998-0.9999 on both.
+FIDELITY = {"smollm2-135m": 0.95, "gemma3-270m": 0.985}
 
 
 @pytest.fixture()
@@ -117,7 +119,9 @@ def test_several_skills_in_any_order_between_segments(engine: Engine, compiled: 
             skill_tokens = sum(sp.length for sp in s.spans if sp.kind.value == "skill")
             assert report.transplanted == skill_tokens - n_skills * 4
             ours = s.logits()
-        assert cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
+        reference = cold_logits(engine, segments)
+        assert cosine(ours, reference) >= FIDELITY[engine.settings.model]
+        assert int(reference.argmax()) in np.argsort(-ours)[:5]
 
 
 def test_a_prompt_ending_in_a_skill_still_has_exact_logits_shape(engine: Engine, compiled: SkillLibrary) -> None:
