@@ -33,12 +33,12 @@ from typing import Any
 import numpy as np
 
 from kvagent.bench.common import RESULTS_DIR, bootstrap_perplexity_interval, median, wilson_interval, write_json
+from kvagent.bench.evict_agent import registry_or_variant
 from kvagent.bench.evict_report import breakdown, plot, row
 from kvagent.bench.evict_stream import Stream, prefix_length
 from kvagent.bench.evict_suite import RetentionCase, make_retention_cases, make_stream_texts, score_answer
 from kvagent.bench.evict_timing import latency, overhead
 from kvagent.eviction import Eviction, Evictor
-from kvagent.policies import get_policy
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,9 @@ def _advance(stream: Stream, ids: list[int], end: int) -> None:
 def _recorder(engine: Any, policies: tuple[str, ...], chunk: int) -> Evictor:
     """An Evictor that only records (its stream never cycles): it captures the hidden states when a policy
     needs them, with the first such policy, else it is a window that captures nothing."""
-    name = next((p for p in policies if get_policy(p).needs_hidden), "window")
-    return Evictor(Eviction(name, budget=2, chunk=chunk), engine.backend, engine.model.path)
+    made = (registry_or_variant(p) for p in policies)
+    policy = next((p for p in made if p.needs_hidden), registry_or_variant("window"))
+    return Evictor(Eviction(policy, budget=2, chunk=chunk), engine.backend, engine.model.path)
 
 
 def case_answers(engine: Any, case: RetentionCase, policies: tuple[str, ...], budgets: tuple[float, ...],
@@ -161,7 +162,8 @@ def case_answers(engine: Any, case: RetentionCase, policies: tuple[str, ...], bu
             cells = int(budget * len(ids))
             _advance(base, ids, prefix_length(cells, chunk, len(ids)))
             for policy in policies:
-                evictor = Evictor(Eviction(policy, budget=cells, chunk=chunk), backend, engine.model.path)
+                evictor = Evictor(Eviction(registry_or_variant(policy), budget=cells, chunk=chunk), backend,
+                                  engine.model.path)
                 with engine.scratch() as seq:
                     stream = base.fork(seq, evictor)
                     _advance(stream, ids, len(ids))
@@ -185,7 +187,8 @@ def case_answer_alone(engine: Any, case: RetentionCase, policy: str | None, budg
     backend = engine.backend
     ids, cloze, max_new = case_prompt(backend, case)
     cells = int(budget * len(ids)) if policy is not None and budget is not None else None
-    evictor = None if cells is None else Evictor(Eviction(policy, budget=cells, chunk=chunk), backend, engine.model.path)
+    evictor = None if cells is None else Evictor(Eviction(registry_or_variant(policy), budget=cells, chunk=chunk),
+                                                      backend, engine.model.path)
     with engine.scratch() as seq, engine.scratch() as holder:  # the holder stays empty unless hold_prefix
         stream = Stream(backend, seq, evictor, chunk, cycles=not hold_prefix)
         stream.feed(ids[:1], outputs=False, pin=True)
@@ -249,8 +252,8 @@ def perplexity(engine: Any, plan: Plan, seed: int, progress: Callable[[str], Non
         nll, cycle_ms = [], []
         for i, ids in enumerate(streams):
             progress(f"{engine.model.name} perplexity {policy} {budget or ''} text {i + 1}/{len(streams)}")
-            evictor = (Evictor(Eviction(policy, budget=int(budget * tokens), chunk=plan.chunk), backend,
-                               engine.model.path, engine.pool.scratch) if budget else None)
+            evictor = (Evictor(Eviction(registry_or_variant(policy), budget=int(budget * tokens), chunk=plan.chunk),
+                               backend, engine.model.path, engine.pool.scratch) if budget else None)
             with engine.scratch() as seq:
                 stream = Stream(backend, seq, evictor, plan.chunk)
                 first = stream.feed(ids[:1], outputs=True, pin=True)

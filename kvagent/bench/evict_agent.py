@@ -34,7 +34,7 @@ import numpy as np
 from kvagent.bench.evict_heldout import MAX_NEW, HeldoutCase, question_segment, reply_segment, score_reply
 from kvagent.bench.evict_stream import Stream, prefix_length
 from kvagent.eviction import Eviction, Evictor
-from kvagent.policies import EvictionPolicy, get_policy
+from kvagent.policies import POLICIES, EvictionPolicy, get_policy
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,19 @@ def make_policy(name: str, variants: dict[str, Callable[[], EvictionPolicy]] | N
     if variants and name in variants:
         return variants[name]()
     return get_policy(name)
+
+
+def registry_or_variant(name: str) -> EvictionPolicy:
+    """A fresh policy by name for the books suite: the registry first (so its rows stay the shipped policies'),
+    then a calibration candidate with its own pass (:func:`calibration_variants` unshared)."""
+    if name in POLICIES:
+        return get_policy(name)
+    return make_policy(name, calibration_variants(shared=False))
+
+
+def bench_policy_names() -> set[str]:
+    """Every name the benchmarks take: the registry's and the calibration candidates'."""
+    return set(POLICIES) | set(calibration_variants())
 
 
 # --- the two settings --------------------------------------------------------------------------------------------
@@ -408,6 +421,13 @@ def calibration_variants(shared: bool = True) -> dict[str, Callable[[], Eviction
                                                                 name="contrast-median@0.5"), SINKS)
     out["hybrid-contrast@0.5"] = lambda: KeepSinks(Recent(TurnContrast(FutureCopy(info(), 0.5)), HYBRID_SHARE,
                                                           "hybrid-contrast@0.5"), SINKS)
+    # contrast taken apart on a turnless document (the books suite): without the discount, and a sentence's
+    # largest cell instead of its mean (with `contrast@0.5`, no window, and `hybrid-selfinfo`, neither discount nor
+    # turn baseline)
+    out["hybrid-contrast@1"] = lambda: KeepSinks(Recent(TurnContrast(FutureCopy(info(), 1.0)), HYBRID_SHARE,
+                                                        "hybrid-contrast@1"), SINKS)
+    out["hybrid-contrast-max@0.5"] = lambda: KeepSinks(Recent(TurnContrast(FutureCopy(info(), 0.5), reduce="max"),
+                                                              HYBRID_SHARE, "hybrid-contrast-max@0.5"), SINKS)
     for share in (0.25, 0.4, 0.6):
         out[f"contrast+recent@{share:g}"] = lambda s=share: KeepSinks(Recent(TurnContrast(FutureCopy(info(), 0.5)), s,
                                                                         f"contrast+recent@{s:g}"), SINKS)
@@ -592,4 +612,5 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
 
 
 __all__ = ["CALIBRATION_POLICIES", "TEST_POLICIES", "MAX_NEW", "Job", "Memo", "Prompt", "Recording", "answer", "answer_positions",
-           "calibration_variants", "dialogue", "make_policy", "once", "render", "run_heldout", "summarize"]
+           "bench_policy_names", "calibration_variants", "dialogue", "make_policy", "once", "registry_or_variant", "render",
+           "run_heldout", "summarize"]

@@ -23,7 +23,8 @@ from kvagent.bench.evict_report import row
 from kvagent.bench.evict_stream import Stream, greedy
 from kvagent.bench.evict_suite import make_stream_texts
 from kvagent.eviction import Eviction, Evictor
-from kvagent.policies import CacheView, FullSurprise, get_policy
+from kvagent.bench.evict_agent import registry_or_variant
+from kvagent.policies import CacheView, FullSurprise
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def cache_view(ids: list[int], hidden: np.ndarray, texts: tuple[str, ...], model
 def time_cycle(name: str, before: CacheView, view: CacheView) -> float:
     """ms of one ``score`` of a fresh policy ``name`` on ``view``, after it scored (or, for the full
     surprise pass, mirrored) ``before`` and was told every cell of it was kept."""
-    policy = get_policy(name)
+    policy = registry_or_variant(name)
     inner = getattr(policy, "inner", policy)
     if isinstance(inner, FullSurprise):
         inner.update_mirror(before)  # the mirror cache exists before a cycle; a cycle only extends it
@@ -107,7 +108,7 @@ def overhead(engine: Any, policies: tuple[str, ...], budget: int, chunk: int, st
     rows = []
     for name in policies:
         progress(f"{model} overhead: {name}, {steps} decode steps")
-        evictor = Evictor(Eviction(name, budget=budget, chunk=chunk), backend, engine.model.path)
+        evictor = Evictor(Eviction(registry_or_variant(name), budget=budget, chunk=chunk), backend, engine.model.path)
         with engine.scratch() as seq, engine.scratch() as base_seq:
             evicting, plain = Stream(backend, seq, evictor, chunk), Stream(backend, base_seq, None, chunk)
             logits, base_logits = _feed_prompt(evicting, ids), _feed_prompt(plain, ids)

@@ -176,7 +176,7 @@ def bench_evict(
     """Eviction policies: fact retention, streaming perplexity, per-cycle latency, decode overhead (counter-causal
     surprise: "Back from the Future", Gould and van den Hengel, 2026); with --suite heldout, the held-out agent
     cases next to the full cache (and --peer kvpress)."""
-    from kvagent.bench import evict
+    from kvagent.bench import evict, evict_agent
 
     if suite == "heldout":
         _bench_evict_heldout(model, split, contexts, dialogues, policies, budgets, peer, json_path, start, threads)
@@ -189,11 +189,10 @@ def bench_evict(
         raise typer.BadParameter(f"unknown task(s) in {tasks!r}: use {', '.join(evict.TASKS)}", param_hint="--tasks")
     picked = tuple(p.strip() for p in policies.split(",") if p.strip()) if policies else None
     if picked:
-        from kvagent.policies import POLICIES
-
-        unknown = [p for p in picked if p not in POLICIES]
+        known = evict_agent.bench_policy_names()
+        unknown = [p for p in picked if p not in known]
         if unknown:
-            raise typer.BadParameter(f"unknown policies {unknown}: use {', '.join(sorted(POLICIES))}",
+            raise typer.BadParameter(f"unknown policies {unknown}: use {', '.join(sorted(known))}",
                                      param_hint="--policies")
     with console.status("eviction benchmark") as status:
         rows = evict.run(model_names(model), quick, json_path, command_line(),
@@ -221,7 +220,6 @@ def _bench_evict_heldout(model: str | None, split: str, contexts: int, dialogues
     from kvagent.bench import evict_agent
     from kvagent.bench.common import RESULTS_DIR
     from kvagent.bench.evict_heldout import SPLITS
-    from kvagent.policies import POLICIES
 
     if split not in SPLITS:
         raise typer.BadParameter(f"unknown split {split!r}: use {', '.join(SPLITS)}", param_hint="--split")
@@ -233,7 +231,7 @@ def _bench_evict_heldout(model: str | None, split: str, contexts: int, dialogues
         _kvpress()  # a missing kvpress is named with its install command before anything runs
     default = evict_agent.CALIBRATION_POLICIES if split == "calibration" else evict_agent.TEST_POLICIES
     chosen = tuple(p.strip() for p in policies.split(",") if p.strip()) if policies else default
-    known = set(POLICIES) | set(evict_agent.calibration_variants())
+    known = evict_agent.bench_policy_names()
     unknown = [p for p in chosen if p not in known]
     if unknown:
         raise typer.BadParameter(f"unknown policies {unknown}: use {', '.join(sorted(known))}", param_hint="--policies")

@@ -162,3 +162,38 @@ def test_the_surprise_variants_share_one_pass_per_head(monkeypatch: pytest.Monke
     other = _memos(variants["surprise-token-f32" if head == "auto" else "surprise-token"]())
     assert len(memos) == 1 and memos[0] is twin[0] and memos[0] is not other[0]
     assert memos[0].inner.head == ("mixed" if head == "auto" else "float32")
+
+
+def _chain(policy: object) -> list[str]:
+    out = []
+    while policy is not None:
+        out.append(type(policy).__name__)
+        policy = getattr(policy, "inner", None)
+    return out
+
+
+@pytest.mark.parametrize(("name", "source"), [
+    # the registry's names stay the registry's policies (the books suite's rows are the shipped policies')
+    ("contrast", "registry"), ("surprise", "registry"), ("hybrid", "registry"), ("window", "registry"),
+    # a calibration candidate, with its own pass (no Memo shared across sessions)
+    ("hybrid-contrast-max@0.5", "variant"), ("hybrid-contrast@1", "variant"), ("contrast@0.5", "variant"),
+    ("hybrid-selfinfo", "variant"),
+])
+def test_the_books_suite_takes_registry_names_and_calibration_candidates(name: str, source: str) -> None:
+    from kvagent.bench.evict_agent import bench_policy_names, calibration_variants, registry_or_variant
+    from kvagent.policies import get_policy
+
+    made = registry_or_variant(name)
+    expected = get_policy(name) if source == "registry" else calibration_variants(shared=False)[name]()
+    assert _chain(made) == _chain(expected) and "Memo" not in _chain(made)
+    assert made.name == expected.name and name in bench_policy_names()
+
+
+def test_the_books_suite_names_the_policies_it_takes() -> None:
+    from typer.testing import CliRunner
+
+    from kvagent.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "evict", "--tasks", "retention", "--policies", "contrast,nope"])
+    assert result.exit_code == 2
+    assert "nope" in result.output and "hybrid-contrast-max@0.5" in result.output
