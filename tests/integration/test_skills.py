@@ -21,9 +21,9 @@ QUESTION = Segment.user("Can I return a used stove?")
 # A transplanted skill's KV was computed without the prompt's prefix (here the policy), so it is an
 # approximation. Measured on this suite: SmolLM2 0.968-0.997, Gemma-3 0.990-0.9998 (seam 4) on an AVX-512
 # machine; on an AVX2-only one (2026-12-04, same portable wheel flags, other CPU kernels) SmolLM2 0.957-0.996
-# (0.957: policy, refund-policy, a field, lookup-order-tool, question), Gemma-3 0.989-0.9996. With nothing before
-# the skill but the sink it was compiled behind, 0.998-0.9999 on both.
-FIDELITY = {"smollm2-135m": 0.95, "gemma3-270m": 0.985}
+# (0.957: policy, refund-policy, a field, lookup-order-tool, question: under this bound, an open finding), Gemma-3
+# 0.989-0.9996. With nothing before the skill but the sink it was compiled behind, 0.998-0.9999 on both.
+FIDELITY = {"smollm2-135m": 0.96, "gemma3-270m": 0.985}
 
 
 @pytest.fixture()
