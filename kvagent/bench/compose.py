@@ -3,7 +3,8 @@
 For each model, skill length (built from the shipped skill texts) and seam length: the context is
 ``[policy, skill, question]``. The reference is a cold full prefill with no compiled skill; the
 transplant run is a cold session of the same prompt whose skill is transplanted from the store. Per
-case: logit cosine and top-1 agreement at the question's last position, greedy agreement over 32
+case at the question's last position: the logits' plain cosine, their shift-invariant cosine (the fidelity guard's,
+:func:`kvagent.skills.fidelity.logit_cosine`) and the next-token KL, top-1 agreement; greedy agreement over 32
 tokens (share of positions before the first divergence), TTFT of both (ratio in the same run), the
 transplant call's own time (seam 0: restore + shift + copy) and the time to copy the blob's bytes in
 memory (the physical floor). "Models Take Notes at Prefill" (arXiv:2606.17107) reports cosine 0.90-0.999,
@@ -13,6 +14,7 @@ memory (the physical floor). "Models Take Notes at Prefill" (arXiv:2606.17107) r
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +25,7 @@ from kvagent.bench.common import write_json
 from kvagent.engine import Engine
 from kvagent.segments import Segment
 from kvagent.skills import SkillSpec, load_skills
-from kvagent.skills.fidelity import FidelityGuard
+from kvagent.skills.fidelity import cosine, logit_cosine, next_token_kl
 from kvagent.skills.library import SkillLibrary
 from kvagent.skills.store import SkillStore
 
@@ -111,7 +113,8 @@ def run(models: list[str], sizes: list[int], seams: list[int], skills_dir: Path,
                     logits, ttft, greedy, moved = _run(engine, library, [POLICY, *(s.segment() for s in seamed), QUESTION])
                     rows.append({
                         "model": model, "case": label, "skills": len(specs), "skill_tokens": skill_tokens, "seam": seam,
-                        "transplanted": moved, "cosine": FidelityGuard.cosine(logits, ref_logits),
+                        "transplanted": moved, "cosine": cosine(logits, ref_logits),
+                        "logit_cosine": logit_cosine(logits, ref_logits), "kl": next_token_kl(ref_logits, logits),
                         "top1_agree": int(logits.argmax()) == int(ref_logits.argmax()),
                         "greedy_agree": _agreement(greedy, ref_greedy),
                         "ttft_transplant_s": ttft, "ttft_prefill_s": ttft_prefill, "speedup": ttft_prefill / ttft,
@@ -119,6 +122,56 @@ def run(models: list[str], sizes: list[int], seams: list[int], skills_dir: Path,
                     })
         write_json(json_path, command, rows)
     return rows
+
+
+# Prompts the tests never use (their policy and question are POLICY-like): a policy, sometimes a field or a
+# memory, one to three shipped skills in rotating orders, a question; written before the fidelity measure changed.
+PROMPT_POLICIES = ("You answer questions for the staff of a bike shop in Utrecht.",
+                   "You are a careful assistant. Keep answers under three sentences and never guess order data.",
+                   "Customer service bot for Alpine Gear. Tone: friendly.")
+PROMPT_MIDDLES = (Segment.field("customer_tier", "gold"), Segment.memory("The customer asked about a tent last week."), None)
+PROMPT_QUESTIONS = ("Where is my order A-2291?", "How long do refunds take?", "Write a function that adds two numbers.")
+PROMPT_SKILLS = ("refund-policy", "lookup-order-tool", "coding-guideline")
+
+
+def prompt_cases() -> list[tuple[list[Segment | None], tuple[str, ...], str]]:
+    """Every other one of the 27 (policy, middle, question) prompts: (leading segments, skill names, question)."""
+    cases = []
+    for i, (policy, middle, question) in enumerate(itertools.product(PROMPT_POLICIES, PROMPT_MIDDLES, PROMPT_QUESTIONS)):
+        names = tuple(PROMPT_SKILLS[(i + k) % 3] for k in range(1 + i % 3))
+        cases.append(([Segment.policy(policy), middle], names, question))
+    return cases[::2]
+
+
+def run_prompts(models: list[str], skills_dir: Path, store_dir: Path, json_path: Path, command: str,
+                progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """The shipped skills at their own seams in :func:`prompt_cases`, transplant against a cold prefill: the three
+    measures and top-1 per prompt (no timing)."""
+    rows: list[dict[str, Any]] = []
+    shipped = {s.name: s for s in load_skills([skills_dir])}
+    for model in models:
+        with Engine.load(model, n_ctx=4096, n_seq_max=4) as engine:
+            library = engine.skill_library(SkillStore(store_dir / engine.model.name))
+            nothing = engine.skill_library(SkillStore(store_dir / "none"))
+            renderer = engine.renderer(True)
+            for i, (lead, names, question) in enumerate(prompt_cases()):
+                progress(f"{model}: prompt {i + 1}")
+                segments = [*(x for x in lead if x is not None), *(library.segment(shipped[n], renderer) for n in names),
+                            Segment.user(question)]
+                ref = _logits(engine, nothing, segments)
+                ours = _logits(engine, library, segments)
+                rows.append({"model": model, "prompt": i, "skills": list(names), "cosine": cosine(ours, ref),
+                             "logit_cosine": logit_cosine(ours, ref), "kl": next_token_kl(ref, ours),
+                             "top1_agree": int(ours.argmax()) == int(ref.argmax())})
+    write_json(json_path, command, rows)
+    return rows
+
+
+def _logits(engine: Engine, library: SkillLibrary, segments: list[Segment]) -> np.ndarray:
+    engine.skills = library
+    with engine.session(segments, share_prefix=False) as s:
+        s.prefill()
+        return s.logits()
 
 
 def plot(rows: list[dict[str, Any]], path: Path, seam: int = 4) -> None:
@@ -136,9 +189,9 @@ def plot(rows: list[dict[str, Any]], path: Path, seam: int = 4) -> None:
         for s in sorted({r["seam"] for r in rows}):
             pts = sorted((r for r in rows if r["model"] == model and r["skills"] == 1 and r["seam"] == s),
                          key=lambda r: r["skill_tokens"])
-            axes[1].plot([r["skill_tokens"] for r in pts], [r["cosine"] for r in pts], marker=".", label=f"{model} seam {s}")
+            axes[1].plot([r["skill_tokens"] for r in pts], [r["logit_cosine"] for r in pts], marker=".", label=f"{model} seam {s}")
     axes[0].set(xscale="log", xlabel="skill tokens", ylabel="TTFT speedup (prefill / transplant)", title=f"speedup (seam {seam})")
-    axes[1].set(xscale="log", xlabel="skill tokens", ylabel="logit cosine vs full prefill", title="fidelity")
+    axes[1].set(xscale="log", xlabel="skill tokens", ylabel="logit cosine vs full prefill (shift-invariant)", title="fidelity")
     for ax in axes:
         ax.minorticks_off()
         ax.set_xticks([256, 1024, 2048, 4096, 8192], ["256", "1k", "2k", "4k", "8k"])

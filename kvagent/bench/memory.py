@@ -40,7 +40,7 @@ from kvagent.engine import Engine
 from kvagent.memory import Memory, MemoryBlock
 from kvagent.segments import Segment, SegmentKind
 from kvagent.session import Session
-from kvagent.skills.fidelity import FidelityGuard
+from kvagent.skills.fidelity import cosine
 from kvagent.skills.store import SkillStore
 
 WAYS = ("head", "recompiled", "tail")
@@ -271,8 +271,8 @@ def summarise(model: str, way: str, runs: list[WayRun], personas: list[Persona],
         "first_token_agreement": sum(a.first == o.first for a, o in zip(ours, oracle)) / n,
         "near_ties": sum(near), "disagreements_on_near_ties": sum(not a and t for a, t in zip(agree, near)),
         "disagreements_clear": sum(not a and not t for a, t in zip(agree, near)),
-        "first_token_cosine_median": median([FidelityGuard.cosine(a.logits, o.logits) for a, o in zip(ours, oracle)]),
-        "first_token_cosine_min": min(FidelityGuard.cosine(a.logits, o.logits) for a, o in zip(ours, oracle)),
+        "first_token_cosine_median": median([cosine(a.logits, o.logits) for a, o in zip(ours, oracle)]),
+        "first_token_cosine_min": min(cosine(a.logits, o.logits) for a, o in zip(ours, oracle)),
     }
     if recompiled is not None and way != "recompiled":
         base_tokens = [t for r in recompiled for t in r.edit_tokens]

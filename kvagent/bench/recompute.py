@@ -26,7 +26,7 @@ from kvagent.bench.common import median, write_json
 from kvagent.engine import Engine
 from kvagent.segments import Segment
 from kvagent.skills import load_skills
-from kvagent.skills.fidelity import FidelityGuard
+from kvagent.skills.fidelity import cosine
 from kvagent.skills.store import SkillStore
 
 FRACTIONS = (0.0, 0.02, 0.05, 0.10, 1.0)
@@ -100,7 +100,7 @@ def run(models: Sequence[str], json_path: Path, command: str, skills_dir: Path =
                 with engine.session(segments[:1], share_prefix=False) as session:
                     session.prefill()
                     session.replace(segments)
-                    noise = FidelityGuard.cosine(session.logits(), oracle)
+                    noise = cosine(session.logits(), oracle)
                 skill_tokens = sum(len(library.lookup(renderer.segment_tokens(specs[n].segment())).tokens)
                                    for n in case.skills)
                 for fraction in fractions:
@@ -114,7 +114,7 @@ def run(models: Sequence[str], json_path: Path, command: str, skills_dir: Path =
                         skill = library.lookup(renderer.segment_tokens(specs[n].segment()))
                         library._by_tokens[skill.tokens] = _with_recompute(skill, ())
                     records.append({"model": model, "case": case.label, "kind": case.kind, "fraction": fraction,
-                                    "skill_tokens": skill_tokens, "cosine": FidelityGuard.cosine(logits, oracle), "noise": noise,
+                                    "skill_tokens": skill_tokens, "cosine": cosine(logits, oracle), "noise": noise,
                                     "computed": report.computed, "transplanted": report.transplanted,
                                     "seconds": seconds, "cold_s": cold_s, "cold_computed": cold.computed})
             library.recompute = 0.0

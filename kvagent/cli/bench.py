@@ -78,12 +78,24 @@ def bench_compose(
     quick: bool = typer.Option(False, help="Skills of 256-2k tokens, seams 0 and 4 (about 3 minutes)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/compose.json)."),
     skills_dir: Path = typer.Option(Path("skills"), help="Skill files the benchmark texts are built from."),
+    prompts: bool = typer.Option(False, help="Only the fidelity of the shipped skills in 14 prompts the tests never "
+                                 "use (policies, fields, memories, questions; about 3 minutes a model)."),
 ) -> None:
-    """Skill transplants vs full prefill: cosine, top-1, greedy agreement, TTFT speedup, transplant vs memcpy."""
+    """Skill transplants vs full prefill: cosines, KL, top-1, greedy agreement, TTFT speedup, transplant vs memcpy."""
     import tempfile
 
     from kvagent.bench import compose
 
+    if prompts:
+        json_path = json_path or RESULTS_DIR / "compose-prompts.json"
+        with tempfile.TemporaryDirectory() as store, console.status("compose prompts") as status:
+            rows = compose.run_prompts(model_names(model), skills_dir, Path(store), json_path, command_line(),
+                                       progress=lambda m: status.update(m))
+        print_table(f"transplant vs full prefill, held-out prompts ({json_path})",
+                    ("model", "prompt", "skills", "cosine", "shift-inv. cosine", "KL", "top-1"),
+                    [[r["model"], str(r["prompt"]), ", ".join(r["skills"]), f"{r['cosine']:.4f}",
+                      f"{r['logit_cosine']:.4f}", f"{r['kl']:.4f}", "yes" if r["top1_agree"] else "no"] for r in rows])
+        return
     json_path = json_path or (RESULTS_DIR / ("compose-quick.json" if quick else "compose.json"))
     sizes, seams = ([256, 1024, 2048], [0, 4]) if quick else ([256, 1024, 2048, 4096, 8192], [0, 1, 4, 16])
     with tempfile.TemporaryDirectory() as store, console.status("compose benchmark") as status:
@@ -92,9 +104,10 @@ def bench_compose(
     compose.plot(rows, json_path.with_suffix(".png"))
     print_table(
         f"skill transplant vs full prefill ({json_path})",
-        ("model", "case", "tokens", "seam", "cosine", "top-1", "greedy", "TTFT transplant s", "TTFT prefill s",
-         "speedup", "transplant ms", "memcpy ms"),
-        [[r["model"], r["case"], str(r["skill_tokens"]), str(r["seam"]), f"{r['cosine']:.4f}",
+        ("model", "case", "tokens", "seam", "cosine", "shift-inv. cosine", "KL", "top-1", "greedy", "TTFT transplant s",
+         "TTFT prefill s", "speedup", "transplant ms", "memcpy ms"),
+        [[r["model"], r["case"], str(r["skill_tokens"]), str(r["seam"]), f"{r['cosine']:.4f}", f"{r['logit_cosine']:.4f}",
+          f"{r['kl']:.4f}",
           "yes" if r["top1_agree"] else "no", f"{r['greedy_agree']:.2f}", f"{r['ttft_transplant_s']:.3f}",
           f"{r['ttft_prefill_s']:.2f}", f"{r['speedup']:.1f}x", f"{r['transplant_s'] * 1e3:.1f}",
           f"{r['memcpy_s'] * 1e3:.1f}"] for r in rows],

@@ -36,7 +36,7 @@ class PrefillReport:
     seconds: float
     shared: int = 0  # of the reused tokens, how many came from another session's cells
     transplanted: int = 0  # tokens whose KV was copied from a compiled skill (not computed)
-    fidelity: float | None = None  # cosine vs a recompute, when the fidelity guard checked this sync
+    fidelity: float | None = None  # logit_cosine vs a recompute, when the fidelity guard checked this sync
     fell_back: bool = False  # the guard found the transplant too far off and adopted the recompute
     recomputed_because: str | None = None  # a splice that could not be exact recomputed from the field: why
 

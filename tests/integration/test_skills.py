@@ -13,17 +13,22 @@ from kvagent.errors import SkillStoreError
 from kvagent.skills import FidelityGuard, SkillSpec, load_skills
 from kvagent.skills.library import SkillLibrary
 from kvagent.skills.store import SkillStore
+from kvagent.skills.fidelity import logit_cosine
 from tests.conftest import cosine
 
 SHIPPED = {s.name: s for s in load_skills([Path(__file__).resolve().parents[2] / "skills"])}
 POLICY = Segment.policy("You are the support agent of Northwind Outdoor. Be brief.")
 QUESTION = Segment.user("Can I return a used stove?")
 # A transplanted skill's KV was computed without the prompt's prefix (here the policy), so it is an
-# approximation. Measured on this suite: SmolLM2 0.968-0.997, Gemma-3 0.990-0.9998 (seam 4) on an AVX-512
-# machine; on an AVX2-only one (2026-12-04, same portable wheel flags, other CPU kernels) SmolLM2 0.957-0.996
-# (0.957: policy, refund-policy, a field, lookup-order-tool, question: under this bound, an open finding), Gemma-3
-# 0.989-0.9996. With nothing before the skill but the sink it was compiled behind, 0.998-0.9999 on both.
-FIDELITY = {"smollm2-135m": 0.96, "gemma3-270m": 0.985}
+# approximation. It is measured as the fidelity guard measures it, by `logit_cosine`: the logits' cosine less
+# their mean, since the softmax ignores a constant added to every logit. The plain cosine counted such a shift:
+# on an AVX2-only machine (2026-12-04) SmolLM2's policy, refund-policy, field, lookup-order-tool, question case
+# gave a plain 0.957 for the same distribution (KL 0.0003, shift-invariant 0.994), and it hid Gemma-3's real
+# gaps behind its 262k-entry vocabulary's shared mean (plain 0.989-0.9996, shift-invariant 0.975-0.998, KL up to
+# 0.59). Measured there, shift-invariant, seams 4 and 16: SmolLM2 0.991-0.998, Gemma-3 0.975-0.998.
+FIDELITY = {"smollm2-135m": 0.985, "gemma3-270m": 0.965}
+# No seam repair: Gemma-3's transplant loses more there (0.938, KL 0.76; SmolLM2 0.9915), as BENCHMARKS.md says.
+FIDELITY_SEAM0 = {"smollm2-135m": 0.985, "gemma3-270m": 0.93}
 
 
 @pytest.fixture()
@@ -87,7 +92,7 @@ def test_include_transplants_and_matches_a_recompute(engine: Engine, compiled: S
         spans = s.spans
         assert [p for sp in spans for p in range(sp.first, sp.last + 1)] == list(range(len(s.tokens)))
     reference = cold_logits(engine, segments)
-    assert cosine(ours, reference) >= FIDELITY[engine.settings.model]
+    assert logit_cosine(ours, reference) >= FIDELITY[engine.settings.model]
     # top-1 can flip on a near-tie (BENCHMARKS.md: 5 of 6 cases agree on Gemma-3 at seam 4)
     assert int(reference.argmax()) in np.argsort(-ours)[:5]
 
@@ -101,7 +106,9 @@ def test_transplant_behind_its_own_sink_is_exact(engine: Engine, compiled: Skill
     with engine.session(segments, share_prefix=False) as s:
         assert s.prefill().transplanted > 1000
         ours = s.logits()
-    assert cosine(ours, cold_logits(engine, segments)) >= 0.998
+    reference = cold_logits(engine, segments)
+    assert cosine(ours, reference) >= 0.998
+    assert logit_cosine(ours, reference) >= 0.995  # measured 0.9996 (SmolLM2), 0.9976 (Gemma-3: Q4 noise in its tail)
 
 
 def test_several_skills_in_any_order_between_segments(engine: Engine, compiled: SkillLibrary) -> None:
@@ -120,7 +127,7 @@ def test_several_skills_in_any_order_between_segments(engine: Engine, compiled: 
             assert report.transplanted == skill_tokens - n_skills * 4
             ours = s.logits()
         reference = cold_logits(engine, segments)
-        assert cosine(ours, reference) >= FIDELITY[engine.settings.model]
+        assert logit_cosine(ours, reference) >= FIDELITY[engine.settings.model]
         assert int(reference.argmax()) in np.argsort(-ours)[:5]
 
 
@@ -130,7 +137,7 @@ def test_a_prompt_ending_in_a_skill_still_has_exact_logits_shape(engine: Engine,
         assert report.transplanted > 0
         ours = s.logits()
         segments = list(s.segments)
-    assert cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
+    assert logit_cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
 
 
 @pytest.mark.parametrize("seam", [0, 16])
@@ -142,7 +149,8 @@ def test_seam_lengths(engine: Engine, library: SkillLibrary, seam: int) -> None:
         assert report.computed == seam + 1  # the seam, and the last token for its logits
         s.extend(QUESTION)
         ours, segments = s.logits(), list(s.segments)
-    assert cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
+    bound = (FIDELITY_SEAM0 if seam == 0 else FIDELITY)[engine.settings.model]
+    assert logit_cosine(ours, cold_logits(engine, segments)) >= bound
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "other-model"])
@@ -181,10 +189,10 @@ def test_fidelity_guard(engine: Engine, library: SkillLibrary, falls_back: bool)
         ours, segments = s.logits(), list(s.segments)
     reference = cold_logits(engine, segments)
     if falls_back:  # the session adopted the guard's recompute: a full prefill of the same tokens
-        assert cosine(ours, reference) >= 0.999
+        assert logit_cosine(ours, reference) >= 0.999
     else:
-        assert cosine(ours, reference) >= FIDELITY[engine.settings.model]
-        assert abs(cosine(ours, reference) - report.fidelity) < 1e-3  # the guard measured this very gap
+        assert logit_cosine(ours, reference) >= FIDELITY[engine.settings.model]
+        assert abs(logit_cosine(ours, reference) - report.fidelity) < 1e-3  # the guard measured this very gap
 
 
 def test_compiled_skill_is_reused_not_recompiled(engine: Engine, library: SkillLibrary) -> None:
