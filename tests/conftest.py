@@ -39,8 +39,6 @@ def engine(request: pytest.FixtureRequest) -> Iterator["object"]:
     eng.close()
 
 
-
-
 @pytest.fixture(scope="session")
 def reference(engine: "object") -> "object":
     """The torch reference model on the same GGUF as ``engine`` (skipped without the torch extra)."""

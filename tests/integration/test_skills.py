@@ -11,9 +11,9 @@ import pytest
 from kvagent import Engine, Segment, Session
 from kvagent.errors import SkillStoreError
 from kvagent.skills import FidelityGuard, SkillSpec, load_skills
+from kvagent.skills.fidelity import logit_cosine
 from kvagent.skills.library import SkillLibrary
 from kvagent.skills.store import SkillStore
-from kvagent.skills.fidelity import logit_cosine
 from tests.conftest import cosine
 
 SHIPPED = {s.name: s for s in load_skills([Path(__file__).resolve().parents[2] / "skills"])}
@@ -29,6 +29,17 @@ QUESTION = Segment.user("Can I return a used stove?")
 FIDELITY = {"smollm2-135m": 0.985, "gemma3-270m": 0.965}
 # No seam repair: Gemma-3's transplant loses more there (0.938, KL 0.76; SmolLM2 0.9915), as BENCHMARKS.md says.
 FIDELITY_SEAM0 = {"smollm2-135m": 0.985, "gemma3-270m": 0.93}
+# Gemma-3 also keeps the plain bound it had and passes (measured 0.989-0.9996, seam 0 included): the change of
+# measure loosens nothing there. SmolLM2's plain 0.96 is dropped: what it caught was the shift, not a lost distribution.
+PLAIN = {"gemma3-270m": 0.985}
+
+
+def assert_close(engine: Engine, ours: np.ndarray, reference: np.ndarray, bounds: dict[str, float] = FIDELITY) -> None:
+    """The transplant's next-token logits ``ours`` against a recompute's, by the guard's measure and the plain bound."""
+    model = engine.settings.model
+    assert logit_cosine(ours, reference) >= bounds[model]
+    if model in PLAIN:
+        assert cosine(ours, reference) >= PLAIN[model]
 
 
 @pytest.fixture()
@@ -92,7 +103,7 @@ def test_include_transplants_and_matches_a_recompute(engine: Engine, compiled: S
         spans = s.spans
         assert [p for sp in spans for p in range(sp.first, sp.last + 1)] == list(range(len(s.tokens)))
     reference = cold_logits(engine, segments)
-    assert logit_cosine(ours, reference) >= FIDELITY[engine.settings.model]
+    assert_close(engine, ours, reference)
     # top-1 can flip on a near-tie (BENCHMARKS.md: 5 of 6 cases agree on Gemma-3 at seam 4)
     assert int(reference.argmax()) in np.argsort(-ours)[:5]
 
@@ -127,7 +138,7 @@ def test_several_skills_in_any_order_between_segments(engine: Engine, compiled: 
             assert report.transplanted == skill_tokens - n_skills * 4
             ours = s.logits()
         reference = cold_logits(engine, segments)
-        assert logit_cosine(ours, reference) >= FIDELITY[engine.settings.model]
+        assert_close(engine, ours, reference)
         assert int(reference.argmax()) in np.argsort(-ours)[:5]
 
 
@@ -137,7 +148,7 @@ def test_a_prompt_ending_in_a_skill_still_has_exact_logits_shape(engine: Engine,
         assert report.transplanted > 0
         ours = s.logits()
         segments = list(s.segments)
-    assert logit_cosine(ours, cold_logits(engine, segments)) >= FIDELITY[engine.settings.model]
+    assert_close(engine, ours, cold_logits(engine, segments))
 
 
 @pytest.mark.parametrize("seam", [0, 16])
@@ -149,8 +160,7 @@ def test_seam_lengths(engine: Engine, library: SkillLibrary, seam: int) -> None:
         assert report.computed == seam + 1  # the seam, and the last token for its logits
         s.extend(QUESTION)
         ours, segments = s.logits(), list(s.segments)
-    bound = (FIDELITY_SEAM0 if seam == 0 else FIDELITY)[engine.settings.model]
-    assert logit_cosine(ours, cold_logits(engine, segments)) >= bound
+    assert_close(engine, ours, cold_logits(engine, segments), FIDELITY_SEAM0 if seam == 0 else FIDELITY)
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "other-model"])
@@ -191,7 +201,7 @@ def test_fidelity_guard(engine: Engine, library: SkillLibrary, falls_back: bool)
     if falls_back:  # the session adopted the guard's recompute: a full prefill of the same tokens
         assert logit_cosine(ours, reference) >= 0.999
     else:
-        assert logit_cosine(ours, reference) >= FIDELITY[engine.settings.model]
+        assert_close(engine, ours, reference)
         assert abs(logit_cosine(ours, reference) - report.fidelity) < 1e-3  # the guard measured this very gap
 
 
