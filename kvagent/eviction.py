@@ -222,7 +222,7 @@ class Evictor:
         kept = np.zeros(len(view), dtype=bool)
         kept[keep] = True
         gone = pos[~kept]
-        for first, last in _runs(gone.tolist()):
+        for first, last in position_runs(gone.tolist()):
             self._backend.seq_rm(seq, first, last + 1)
         # keep what a later cycle reads: the cached cells' states and tokens, and those of the position
         # just before each cached cell (the query that scores it in the counter-causal pass)
@@ -339,7 +339,7 @@ def _rows(recorded: Mapping[int, np.ndarray], positions: np.ndarray) -> np.ndarr
     return out
 
 
-def _runs(positions: list[int]) -> list[tuple[int, int]]:
+def position_runs(positions: list[int]) -> list[tuple[int, int]]:
     """Ascending positions -> inclusive ``(first, last)`` runs of consecutive ones."""
     runs: list[tuple[int, int]] = []
     for p in positions:

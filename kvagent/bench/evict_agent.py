@@ -13,6 +13,12 @@ Two settings, every policy in the same process and on the same cases:
   tokens at a time with a cycle whenever one is due (as a session prefills), every policy forking from the prefix
   all of them share until the first cycle; then the questions about the early sessions.
 
+A policy named ``NAME/compact`` (``once`` only) is ``NAME`` whose copy then has its positions compacted: the kept
+cells renumbered ``0..k-1`` in order by llama.cpp's K-shift (:func:`compact_positions`), StreamingLLM's rolling
+positions, and the questions asked from position ``k``. On a sliding-window model (Gemma-3: five of six layers see
+the last 512 positions) the window then spans the last 512 *kept* cells instead of what was kept of the last 512
+positions. Sessions do not compact (their positions are token indices); this measures what compacting would give.
+
 Questions are user turns followed by the assistant's generation prompt; all the (policy, question) answers of a
 case are decoded greedily in one batch per step (each in its own sequence), up to ``max_new`` tokens, the first line
 kept and scored by :func:`~kvagent.bench.evict_heldout.score_reply`. Each record also says whether the answer's
@@ -33,7 +39,7 @@ import numpy as np
 
 from kvagent.bench.evict_heldout import MAX_NEW, HeldoutCase, question_segment, reply_segment, score_reply
 from kvagent.bench.evict_stream import Stream, prefix_length
-from kvagent.eviction import Eviction, Evictor
+from kvagent.eviction import Eviction, Evictor, position_runs
 from kvagent.policies import POLICIES, EvictionPolicy, get_policy
 
 log = logging.getLogger(__name__)
@@ -160,8 +166,29 @@ class Recording(EvictionPolicy):
         raise RuntimeError("a recording evictor does not score")
 
 
+COMPACT = "/compact"  # a policy-name suffix: the once setting compacts the pruned copy's positions
+
+
+def split_compact(name: str) -> tuple[str, bool]:
+    """(the policy's own name, whether ``name`` asks for compacted positions)."""
+    return (name[: -len(COMPACT)], True) if name.endswith(COMPACT) else (name, False)
+
+
+def compact_positions(backend: Any, seq: int, kept: Sequence[int]) -> int:
+    """Renumber ``seq``'s cells at ``kept`` (ascending) to ``0..len(kept)-1`` in order, one ``seq_add`` per run of
+    consecutive positions (llama.cpp re-rotates the keys at the next decode); returns ``len(kept)``, the position the
+    next token takes. ``seq`` must hold its own cells: a shift moves a shared cell for every sequence holding it."""
+    at = 0
+    for first, last in position_runs(list(kept)):
+        if first != at:
+            backend.seq_add(seq, first, last + 1, at - first)
+        at += last - first + 1
+    return at
+
+
 def make_policy(name: str, variants: dict[str, Callable[[], EvictionPolicy]] | None = None) -> EvictionPolicy:
     """A fresh policy by name: ``variants`` first (the calibration's candidates), then the registry."""
+    name = split_compact(name)[0]
     if variants and name in variants:
         return variants[name]()
     return get_policy(name)
@@ -175,9 +202,11 @@ def registry_or_variant(name: str) -> EvictionPolicy:
     return make_policy(name, calibration_variants(shared=False))
 
 
-def bench_policy_names() -> set[str]:
-    """Every name the benchmarks take: the registry's and the calibration candidates'."""
-    return set(POLICIES) | set(calibration_variants())
+def bench_policy_names(compact: bool = False) -> set[str]:
+    """Every name the benchmarks take: the registry's and the calibration candidates'; with ``compact`` (the
+    held-out suite's once setting) each also with the :data:`COMPACT` suffix."""
+    names = set(POLICIES) | set(calibration_variants())
+    return names | {n + COMPACT for n in names} if compact else names
 
 
 # --- the two settings --------------------------------------------------------------------------------------------
@@ -236,12 +265,17 @@ def once(engine: Any, case: HeldoutCase, policies: Sequence[str], budgets: Seque
                     report = evictor.cycle(first, prompt.ids, list(range(n)), prompt.pinned, None, prompt.labels)
                     ms = (time.perf_counter() - start) * 1000
                     kept = set(range(n)) - set(report.evicted)
+                    at = n
+                    if split_compact(name)[1]:
+                        # its own cells first (the copy shares them with the base and the other copies)
+                        backend.seq_restore(first, backend.seq_save(first))
+                        at = compact_positions(backend, first, sorted(kept))
                     for q, suffix in enumerate(prompt.suffixes):
                         seq = first if q == 0 else pool.take("a question")
                         if q:
                             held.append(seq)
                             backend.seq_cp(first, seq, 0, -1)
-                        jobs.append(Job(seq, n, suffix))
+                        jobs.append(Job(seq, at, suffix))
                         meta.append((name, budget, q, kept, ms))
             replies = answer(backend, jobs, max_new)
         finally:
@@ -547,6 +581,9 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
     from kvagent.bench.common import write_json
     from kvagent.bench.evict_heldout import make_cases, make_dialogues
 
+    if dialogues and any(split_compact(p)[1] for p in policies):
+        raise ValueError(f"'{COMPACT}' policies run in the once setting only: ask for no dialogues")
+
     records: list[dict[str, Any]] = []
     if json_path.is_file():
         try:
@@ -611,6 +648,6 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
     return summarize(records)
 
 
-__all__ = ["CALIBRATION_POLICIES", "TEST_POLICIES", "MAX_NEW", "Job", "Memo", "Prompt", "Recording", "answer", "answer_positions",
+__all__ = ["COMPACT", "CALIBRATION_POLICIES", "compact_positions", "split_compact", "TEST_POLICIES", "MAX_NEW", "Job", "Memo", "Prompt", "Recording", "answer", "answer_positions",
            "bench_policy_names", "calibration_variants", "dialogue", "make_policy", "once", "registry_or_variant", "render",
            "run_heldout", "summarize"]

@@ -20,7 +20,7 @@ import pytest
 
 from kvagent.engine import Engine
 from kvagent.errors import ContextOverflowError, EvictionError
-from kvagent.eviction import _MARGIN, Eviction, _runs
+from kvagent.eviction import _MARGIN, Eviction, position_runs
 from kvagent.policies import (
     POLICIES, CacheView, EvictionPolicy, FastSurprise, FullSurprise, IncrementalSurprise, KeepSinks, get_policy,
     select_keep,
@@ -242,7 +242,7 @@ def replay(engine: Engine, run: Run) -> None:
             cycled = done < len(cycles) and cells == cycles[done].before
             if cycled:
                 gone = sorted(cycles[done].evicted)
-                for first, last in _runs(gone):
+                for first, last in position_runs(gone):
                     backend.seq_rm(seq, first, last + 1)
                 run.replay_before.append(cells)
                 cells = cycles[done].after

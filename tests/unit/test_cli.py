@@ -94,3 +94,19 @@ def test_adapter_commands_plug_in_or_say_what_to_install(entry: _EntryPoint, arg
     result = CliRunner().invoke(root, args, env={"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
     assert result.exit_code == code, result.output
     assert shown in result.output and "Traceback" not in result.output
+
+
+# held-out eviction arguments refused before any model loads: (arguments, what the error names)
+REFUSED = [
+    (["--policies", "contrast/compact", "--dialogues", "2"], "--dialogues 0"),
+    (["--policies", "no-such-policy"], "unknown policies"),
+    (["--policies", "contrast/compacted", "--dialogues", "0"], "unknown policies"),
+]
+
+
+@pytest.mark.parametrize(("args", "named"), REFUSED)
+def test_held_out_eviction_refuses_bad_policies_before_loading(args: list[str], named: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "evict", "--suite", "heldout", "--model", "smollm2-135m", *args],
+                                env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"})
+    assert result.exit_code == 2
+    assert named in " ".join(result.output.split())

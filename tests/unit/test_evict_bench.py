@@ -4,6 +4,7 @@ per-token NLL, the rows and the figures."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import pytest
 
 from kvagent.backends.fake import FakeBackend
 from kvagent.bench import evict
+from kvagent.bench.evict_agent import (COMPACT, bench_policy_names, calibration_variants, compact_positions,
+                                       make_policy, split_compact)
 from kvagent.bench.evict_report import row
 from kvagent.bench.evict_stream import prefix_length
 from kvagent.bench.evict_suite import make_retention_cases
@@ -156,3 +159,41 @@ def test_a_run_replaces_only_the_rows_it_measures(tmp_path: Path, tasks: tuple[s
     path.write_text(json.dumps({"quick": False, "rows": old}))
     got = evict._kept_rows(path, False, ["m"], tasks, policies)
     assert {(r["model"], r["task"], r["policy"]) for r in got} == kept
+
+
+@pytest.mark.parametrize("name", ["contrast", "hybrid-contrast@0.5", "window"])
+def test_the_compact_suffix_names_the_same_policy(name: str) -> None:
+    assert split_compact(name + COMPACT) == (name, True)
+    assert split_compact(name) == (name, False)
+    variants = calibration_variants(shared=False)
+    assert make_policy(name + COMPACT, variants).name == make_policy(name, variants).name
+    assert name + COMPACT in bench_policy_names(compact=True)
+    assert name + COMPACT not in bench_policy_names()
+
+
+# (tokens decoded, positions evicted): compacting renumbers the kept cells 0..k-1 in order
+COMPACTIONS = [
+    (12, [3, 4, 5, 8]),
+    (12, [0, 1]),  # a gap at the start
+    (12, [11]),  # at the end: nothing moves
+    (12, []),
+    (40, list(range(4, 30, 2))),  # a gap every other position
+]
+
+
+@pytest.mark.parametrize(("n", "evicted"), COMPACTIONS)
+def test_compact_positions_renumbers_the_kept_cells_in_order(n: int, evicted: list[int]) -> None:
+    fake = FakeBackend(n_ctx=256, n_seq_max=3)
+    tokens = [fake.tokenize(f"w{i}", special=False)[0] for i in range(n)]
+    fake.decode(tokens, list(range(n)), [0] * n, [False] * n)
+    fake.seq_cp(0, 1, 0, -1)
+    for p in evicted:
+        fake.seq_rm(1, p, p + 1)
+    fake.seq_restore(1, fake.seq_save(1))  # own cells, as the benchmark makes them before it shifts
+    kept = [p for p in range(n) if p not in evicted]
+    at = compact_positions(fake, 1, kept)
+    assert at == len(kept)
+    assert fake.seq_positions(1) == list(range(at))
+    cells = json.loads(fake.seq_save(1))["cells"]
+    assert [token for _, token, _ in cells] == [tokens[p] for p in kept]
+    assert fake.seq_positions(0) == list(range(n))  # the sequence it was copied from did not move

@@ -10,7 +10,7 @@ import pytest
 
 from kvagent.errors import EvictionError
 from kvagent.backends.base import Capabilities
-from kvagent.eviction import _MARGIN, Eviction, Evictor, _runs
+from kvagent.eviction import _MARGIN, Eviction, Evictor, position_runs
 from kvagent.policies import POLICIES, CacheView, EvictionPolicy, KeepSinks, get_policy, select_keep
 from kvagent.policies.simple import Recency
 
@@ -88,7 +88,7 @@ def test_select_keep_respects_the_budget(seed: int) -> None:
     assert min(scores[free_kept]) > max(scores[free_dropped])  # the kept free cells are the best ones
 
 
-# --- _runs ---------------------------------------------------------------------------------------------
+# --- position_runs ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("positions", "runs"),
     [
@@ -101,7 +101,7 @@ def test_select_keep_respects_the_budget(seed: int) -> None:
     ],
 )
 def test_runs(positions: list[int], runs: list[tuple[int, int]]) -> None:
-    assert _runs(positions) == runs
+    assert position_runs(positions) == runs
 
 
 # --- KeepSinks -----------------------------------------------------------------------------------------
