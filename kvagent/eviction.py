@@ -3,10 +3,19 @@ tokens, prune to J.
 
 An :class:`Evictor` belongs to one session. It records the penultimate hidden state of every token the
 session decodes (when its policy needs them and the engine captures them), and on :meth:`cycle` scores
-the session's cells with its policy and removes the lowest-scored ones with ``seq_rm``. Positions of
-kept tokens never change (llama.cpp's mask is position-based, so holes are fine); pinned positions and
+the session's cells with its policy and removes the lowest-scored ones with ``seq_rm``. Pinned positions and
 the last token are always kept. The session keeps its span table and records which positions were
 evicted, so every cached position still knows its segment.
+
+A token's *position* (its index in the session's tokens: what policies, pins and records use) and its *cell*
+(the position llama.cpp holds it at) differ once a cycle has compacted (``Eviction.compact``, the default where
+the backend can shift cells): after each cycle the session renumbers its kept cells ``0..k-1`` in order
+(llama.cpp's K-shift, StreamingLLM's rolling positions), so a token's cell is its position less the evicted
+positions before it. llama.cpp's mask is position-based, so holes are fine without it (``compact=False``); with
+it, a sliding-window layer (Gemma-3: 512 positions) sees the last 512 *kept* tokens instead of what was kept of
+the last 512 positions, and both models kept more facts (BENCHMARKS.md, "Held-out eviction"). The evictor is told
+the cells where they differ (``cells=`` of :meth:`decode` and :meth:`cycle`); the session does the renumbering
+(``CachedSequence``).
 """
 
 from __future__ import annotations
@@ -39,11 +48,14 @@ _MARGIN = 16
 class Eviction:
     """How a session forgets: ``policy`` (a name from ``kvagent.policies.POLICIES`` or an instance; default
     ``"contrast"``, the policy that kept the most facts on the held-out agent cases), ``budget`` J cells kept after a
-    cycle, ``chunk`` h tokens inferred between cycles."""
+    cycle, ``chunk`` h tokens inferred between cycles. ``compact`` (default): after each cycle the kept cells are
+    renumbered ``0..k-1`` where the backend can shift cells (see the module), which kept more facts on both models on
+    the held-out split (BENCHMARKS.md); ``False`` leaves every kept token at its position."""
 
     policy: str | EvictionPolicy = "contrast"
     budget: int = 1024
     chunk: int = 64
+    compact: bool = True
 
 
 @dataclass(frozen=True)
@@ -139,14 +151,16 @@ class Evictor:
         return logits, out
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-               outputs: Sequence[bool]) -> np.ndarray:
+               outputs: Sequence[bool], cells: Sequence[int] | None = None) -> np.ndarray:
         """``Backend.decode`` (same signature, so a sequence decodes through either), recording H^(L-1) rows per
         position when the policy needs them, and the input states of the policy's layers. One evictor belongs to
-        one sequence: every id names it."""
+        one sequence: every id names it. ``cells``: where llama.cpp holds these positions, when they differ
+        (a compacted session; see the module)."""
         self._tokens.update(zip((int(p) for p in positions), (int(t) for t in tokens)))
+        at = positions if cells is None else cells
         if not self.captures:
-            return self._backend.decode(tokens, positions, seq_ids, outputs)
-        logits, rows = self._captured(tokens, positions, seq_ids, outputs)
+            return self._backend.decode(tokens, at, seq_ids, outputs)
+        logits, rows = self._captured(tokens, at, seq_ids, outputs)
         pos = [int(p) for p in positions]
         if self.policy.needs_hidden and self._layer in rows:
             self._hidden.update(zip(pos, rows[self._layer]))
@@ -188,13 +202,16 @@ class Evictor:
         return cells >= self.budget + self.chunk
 
     def cycle(self, seq: int, tokens: Sequence[int], positions: Sequence[int], pinned: Sequence[bool],
-              priority: Sequence[int] | None = None, labels: Sequence[str] | None = None) -> CycleReport:
+              priority: Sequence[int] | None = None, labels: Sequence[str] | None = None,
+              cells: Sequence[int] | None = None) -> CycleReport:
         """Prune the cells ``positions`` (ascending, with their ``tokens``) to the budget; returns what went.
         ``priority`` (per cell, default all 0): cells of a lower priority are evicted first, the policy's
         scores ranking cells within one priority; ``labels`` (per cell): its segment's label, for policies with
-        per-segment budgets."""
+        per-segment budgets; ``cells`` (per cell): where llama.cpp holds it, when that differs from its position
+        (a compacted session)."""
         start = time.perf_counter()
         pos = np.asarray(positions, dtype=np.int64)
+        at = pos if cells is None else np.asarray(cells, dtype=np.int64)
         tok = np.asarray(tokens, dtype=np.int64)
         self._tokens.update(zip(pos.tolist(), tok.tolist()))
         view = CacheView(
@@ -210,7 +227,7 @@ class Evictor:
             budget=self.budget,
             labels=None if labels is None else tuple(labels),
             layers={layer: self.layer_rows(layer, pos) for layer in self.layers} if self.layers else None,
-            probe=self._probe(seq, int(pos[-1]) + 1 if pos.size else 0),
+            probe=self._probe(seq, int(at[-1]) + 1 if at.size else 0),
         )
         scores = np.asarray(self.policy.score(view), dtype=np.float64)
         if scores.shape != (len(view),):
@@ -222,7 +239,7 @@ class Evictor:
         kept = np.zeros(len(view), dtype=bool)
         kept[keep] = True
         gone = pos[~kept]
-        for first, last in position_runs(gone.tolist()):
+        for first, last in position_runs(at[~kept].tolist()):
             self._backend.seq_rm(seq, first, last + 1)
         # keep what a later cycle reads: the cached cells' states and tokens, and those of the position
         # just before each cached cell (the query that scores it in the counter-causal pass)
@@ -348,3 +365,15 @@ def position_runs(positions: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((p, p))
     return runs
+
+
+def compact_positions(backend: Backend, seq: int, kept: Sequence[int]) -> int:
+    """Renumber ``seq``'s cells at ``kept`` (ascending) to ``0..len(kept)-1`` in order, one ``seq_add`` per run of
+    consecutive positions (llama.cpp re-rotates the keys at the next decode); returns ``len(kept)``, the position the
+    next token takes. ``seq`` must hold its own cells: a shift moves a shared cell for every sequence holding it."""
+    at = 0
+    for first, last in position_runs(list(kept)):
+        if first != at:
+            backend.seq_add(seq, first, last + 1, at - first)
+        at += last - first + 1
+    return at

@@ -204,7 +204,7 @@ class Decoder:
                 "turn was rolled back; start a new session or load the engine with a larger n_ctx",
                 partial=self._out.text,
             )
-        return DecodeStep(token, len(state.tokens), state.seq)
+        return DecodeStep(token, state.cell(len(state.tokens)), state.seq)
 
     def accept(self, step: DecodeStep, logits: np.ndarray) -> None:
         """``step``'s token was decoded with next-token ``logits`` ``[n_vocab]``."""

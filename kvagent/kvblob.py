@@ -41,13 +41,15 @@ class KVBlob:
     evicted: tuple[int, ...] = ()  # positions < len(tokens) an eviction cycle removed (no cell saved)
     evictor_policy: str = ""  # the eviction policy whose state ``evictor`` is ("" and {}: none saved)
     evictor: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False)
+    closed: tuple[int, ...] = ()  # evicted positions whose holes the cells were moved into (``Eviction(compact=True)``)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, KVBlob):
             return NotImplemented
         same = (self.model_fingerprint, self.backend_format, self.tokens, self.payload, self.logits, self.evicted,
-                self.evictor_policy) == (other.model_fingerprint, other.backend_format, other.tokens, other.payload,
-                                         other.logits, other.evicted, other.evictor_policy)
+                self.evictor_policy, self.closed) == (other.model_fingerprint, other.backend_format, other.tokens,
+                                                      other.payload, other.logits, other.evicted, other.evictor_policy,
+                                                      other.closed)
         return same and self.evictor.keys() == other.evictor.keys() and all(
             a.dtype == other.evictor[k].dtype and np.array_equal(a, other.evictor[k], equal_nan=a.dtype.kind == "f")
             for k, a in self.evictor.items())
@@ -78,6 +80,7 @@ class KVBlob:
                 "logits_len": len(self.logits),
                 "sha256": hashlib.sha256(self.payload + self.logits + state).hexdigest(),
                 **({"evicted": sorted(self.evicted)} if self.evicted else {}),
+                **({"closed": sorted(self.closed)} if self.closed else {}),
                 **({"evictor": {"policy": self.evictor_policy, "arrays": manifest, "len": len(state)}}
                    if manifest else {}),
             }
@@ -103,6 +106,9 @@ class KVBlob:
             evicted = tuple(int(p) for p in header.get("evicted", ()))
             if any(not 0 <= p < len(tokens) for p in evicted) or len(set(evicted)) != len(evicted):
                 raise ValueError("evicted positions outside the tokens")
+            closed = tuple(int(p) for p in header.get("closed", ()))
+            if not set(closed) <= set(evicted) or len(set(closed)) != len(closed):
+                raise ValueError("closed positions that were not evicted")
             specs = _state_specs(manifest, state_len)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KVBlobError(f"corrupt KV blob header ({exc}): save it again with session.save()") from exc
@@ -125,7 +131,7 @@ class KVBlob:
         for name, dtype, shape, size in specs:
             arrays[name] = np.frombuffer(state, dtype, math.prod(shape), at).reshape(shape).copy()
             at += size
-        return cls(header["model"], header["format"], tokens, payload, logits, evicted, policy, arrays)
+        return cls(header["model"], header["format"], tokens, payload, logits, evicted, policy, arrays, closed)
 
 
 def _state_specs(manifest: list[object], length: int) -> list[tuple[str, np.dtype, tuple[int, ...], int]]:

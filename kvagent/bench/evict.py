@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvagent.bench.common import RESULTS_DIR, bootstrap_perplexity_interval, median, wilson_interval, write_json
-from kvagent.bench.evict_agent import registry_or_variant
+from kvagent.bench.evict_agent import bench_eviction, registry_or_variant
 from kvagent.bench.evict_report import breakdown, plot, row
 from kvagent.bench.evict_stream import Stream, prefix_length
 from kvagent.bench.evict_suite import RetentionCase, make_retention_cases, make_stream_texts, score_answer
@@ -162,7 +162,7 @@ def case_answers(engine: Any, case: RetentionCase, policies: tuple[str, ...], bu
             cells = int(budget * len(ids))
             _advance(base, ids, prefix_length(cells, chunk, len(ids)))
             for policy in policies:
-                evictor = Evictor(Eviction(registry_or_variant(policy), budget=cells, chunk=chunk), backend,
+                evictor = Evictor(bench_eviction(policy, cells, chunk), backend,
                                   engine.model.path)
                 with engine.scratch() as seq:
                     stream = base.fork(seq, evictor)
@@ -187,7 +187,7 @@ def case_answer_alone(engine: Any, case: RetentionCase, policy: str | None, budg
     backend = engine.backend
     ids, cloze, max_new = case_prompt(backend, case)
     cells = int(budget * len(ids)) if policy is not None and budget is not None else None
-    evictor = None if cells is None else Evictor(Eviction(registry_or_variant(policy), budget=cells, chunk=chunk),
+    evictor = None if cells is None else Evictor(bench_eviction(policy, cells, chunk),
                                                       backend, engine.model.path)
     with engine.scratch() as seq, engine.scratch() as holder:  # the holder stays empty unless hold_prefix
         stream = Stream(backend, seq, evictor, chunk, cycles=not hold_prefix)
@@ -252,7 +252,7 @@ def perplexity(engine: Any, plan: Plan, seed: int, progress: Callable[[str], Non
         nll, cycle_ms = [], []
         for i, ids in enumerate(streams):
             progress(f"{engine.model.name} perplexity {policy} {budget or ''} text {i + 1}/{len(streams)}")
-            evictor = (Evictor(Eviction(registry_or_variant(policy), budget=int(budget * tokens), chunk=plan.chunk),
+            evictor = (Evictor(bench_eviction(policy, int(budget * tokens), plan.chunk),
                                backend, engine.model.path, engine.pool.scratch) if budget else None)
             with engine.scratch() as seq:
                 stream = Stream(backend, seq, evictor, plan.chunk)

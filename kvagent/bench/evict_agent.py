@@ -13,16 +13,12 @@ Two settings, every policy in the same process and on the same cases:
   tokens at a time with a cycle whenever one is due (as a session prefills), every policy forking from the prefix
   all of them share until the first cycle; then the questions about the early sessions.
 
-A policy named ``NAME/compact`` (``once`` only) is ``NAME`` whose copy then has its positions compacted: the kept
-cells renumbered ``0..k-1`` in order by llama.cpp's K-shift (:func:`compact_positions`), StreamingLLM's rolling
-positions, and the questions asked from position ``k``. On a sliding-window model (Gemma-3: five of six layers see
-the last 512 positions) the window then spans the last 512 *kept* cells instead of what was kept of the last 512
-positions. Sessions do not compact (their positions are token indices); this measures what compacting would give.
-
-Questions are user turns followed by the assistant's generation prompt; all the (policy, question) answers of a
-case are decoded greedily in one batch per step (each in its own sequence), up to ``max_new`` tokens, the first line
-kept and scored by :func:`~kvagent.bench.evict_heldout.score_reply`. Each record also says whether the answer's
-tokens were still cached (``answer_kept``: the share of them), which tells an eviction loss from a model error.
+A policy named ``NAME/compact`` is ``NAME`` with ``Eviction(compact=True)``, what a session does by default: after
+the cycle the kept cells are renumbered ``0..k-1`` in order by llama.cpp's K-shift (:func:`compact_positions`,
+StreamingLLM's rolling positions; in ``once`` the pruned copy takes its own cells first, and the questions are asked
+from cell ``k``). ``NAME`` alone keeps every token at its position (``compact=False``), as every record before
+2026-12-05 did. On a sliding-window model (Gemma-3: five of six layers see the last 512 positions) the window then
+spans the last 512 *kept* cells instead of what was kept of the last 512 positions.
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ import numpy as np
 
 from kvagent.bench.evict_heldout import MAX_NEW, HeldoutCase, question_segment, reply_segment, score_reply
 from kvagent.bench.evict_stream import Stream, prefix_length
-from kvagent.eviction import Eviction, Evictor, position_runs
+from kvagent.eviction import Eviction, Evictor, compact_positions
 from kvagent.policies import POLICIES, EvictionPolicy, get_policy
 
 log = logging.getLogger(__name__)
@@ -174,18 +170,6 @@ def split_compact(name: str) -> tuple[str, bool]:
     return (name[: -len(COMPACT)], True) if name.endswith(COMPACT) else (name, False)
 
 
-def compact_positions(backend: Any, seq: int, kept: Sequence[int]) -> int:
-    """Renumber ``seq``'s cells at ``kept`` (ascending) to ``0..len(kept)-1`` in order, one ``seq_add`` per run of
-    consecutive positions (llama.cpp re-rotates the keys at the next decode); returns ``len(kept)``, the position the
-    next token takes. ``seq`` must hold its own cells: a shift moves a shared cell for every sequence holding it."""
-    at = 0
-    for first, last in position_runs(list(kept)):
-        if first != at:
-            backend.seq_add(seq, first, last + 1, at - first)
-        at += last - first + 1
-    return at
-
-
 def make_policy(name: str, variants: dict[str, Callable[[], EvictionPolicy]] | None = None) -> EvictionPolicy:
     """A fresh policy by name: ``variants`` first (the calibration's candidates), then the registry."""
     name = split_compact(name)[0]
@@ -200,6 +184,14 @@ def registry_or_variant(name: str) -> EvictionPolicy:
     if name in POLICIES:
         return get_policy(name)
     return make_policy(name, calibration_variants(shared=False))
+
+
+def bench_eviction(name: str, budget: int, chunk: int, variants: dict[str, Callable[[], EvictionPolicy]] | None = None,
+                   ) -> Eviction:
+    """The eviction a stream runs for policy ``name`` (a fresh policy; ``NAME/compact`` compacts after each
+    cycle): from ``variants`` when given, else the registry first, then the calibration candidates."""
+    policy = make_policy(name, variants) if variants is not None else registry_or_variant(split_compact(name)[0])
+    return Eviction(policy, budget=budget, chunk=chunk, compact=split_compact(name)[1])
 
 
 def bench_policy_names(compact: bool = False) -> set[str]:
@@ -311,8 +303,8 @@ def dialogue(engine: Any, case: HeldoutCase, policies: Sequence[str], budget: fl
             for name in policies:
                 seq = pool.take("a policy's stream")
                 held.append(seq)
-                evictor = Evictor(Eviction(made[name], budget=cells, chunk=chunk), backend, engine.model.path,
-                                  pool.scratch)
+                evictor = Evictor(Eviction(made[name], budget=cells, chunk=chunk, compact=split_compact(name)[1]),
+                                  backend, engine.model.path, pool.scratch)
                 stream = base.fork(seq, evictor)
                 _feed(stream, prompt, stream.next_pos, n)
                 streams[name] = stream
@@ -323,7 +315,7 @@ def dialogue(engine: Any, case: HeldoutCase, policies: Sequence[str], budget: fl
                     seq = pool.take("a question")
                     held.append(seq)
                     backend.seq_cp(stream.seq, seq, 0, -1)
-                    jobs.append(Job(seq, n, suffix))
+                    jobs.append(Job(seq, stream.next_cell, suffix))
                     kept = None if name == "full" else set(stream.tokens)
                     ms = float(np.median(stream.cycle_ms)) if name != "full" and stream.cycle_ms else None
                     meta.append((name, None if name == "full" else budget, q, kept, ms, len(stream.cycle_ms)))
@@ -581,8 +573,6 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
     from kvagent.bench.common import write_json
     from kvagent.bench.evict_heldout import make_cases, make_dialogues
 
-    if dialogues and any(split_compact(p)[1] for p in policies):
-        raise ValueError(f"'{COMPACT}' policies run in the once setting only: ask for no dialogues")
 
     records: list[dict[str, Any]] = []
     if json_path.is_file():
@@ -648,6 +638,6 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
     return summarize(records)
 
 
-__all__ = ["COMPACT", "CALIBRATION_POLICIES", "compact_positions", "split_compact", "TEST_POLICIES", "MAX_NEW", "Job", "Memo", "Prompt", "Recording", "answer", "answer_positions",
+__all__ = ["COMPACT", "CALIBRATION_POLICIES", "bench_eviction", "split_compact", "TEST_POLICIES", "MAX_NEW", "Job", "Memo", "Prompt", "Recording", "answer", "answer_positions",
            "bench_policy_names", "calibration_variants", "dialogue", "make_policy", "once", "registry_or_variant", "render",
            "run_heldout", "summarize"]

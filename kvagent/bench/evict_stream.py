@@ -7,7 +7,10 @@ chosen positions. Every policy sees the same cells until its first cycle, so tha
 :meth:`~kvagent.eviction.Evictor.adopt`, and then behaves as a stream that decoded them itself.
 
 Invariant: ``tokens`` holds exactly the positions the sequence caches (with their tokens), ``next_pos`` is
-the position the next token is decoded at, and ``pinned`` lists positions no cycle may evict.
+the position the next token is decoded at, and ``pinned`` lists positions no cycle may evict. With an evictor
+whose ``Eviction(compact=True)``, the stream compacts as a session does: after each cycle the kept cells move to
+``0..k-1`` (its own copy of them first, at its first compaction: a fork shares its cells), ``cell`` maps each
+cached position to where llama.cpp holds it and ``next_cell`` is where the next token goes.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class Stream:
         self.cycle_ms: list[float] = []
         self.kept: list[tuple[int, ...]] = []  # the positions left after each cycle
         self.next_pos = 0
+        self.cell: dict[int, int] = {}  # cached position -> its cell (the position itself until a compaction)
+        self.next_cell = 0
+        self._owned = True  # the cells are this sequence's alone (a fork's are shared until it copies them)
 
     def feed(self, ids: list[int], outputs: bool, pin: bool = False) -> np.ndarray:
         """Decode ``ids`` after what was fed, ``chunk`` at a time, each chunk followed by a cycle when one is
@@ -59,13 +65,19 @@ class Stream:
         for s in range(0, len(ids), self.chunk):
             part = ids[s : s + self.chunk]
             pos = list(range(self.next_pos, self.next_pos + len(part)))
+            at = list(range(self.next_cell, self.next_cell + len(part)))
             flags = [outputs] * (len(part) - 1) + [True]
-            logits = (self.evictor or self.backend).decode(part, pos, [self.seq] * len(part), flags)
+            if self.evictor is not None:
+                logits = self.evictor.decode(part, pos, [self.seq] * len(part), flags, cells=None if at == pos else at)
+            else:
+                logits = self.backend.decode(part, at, [self.seq] * len(part), flags)
             rows.append(logits)
             self.tokens.update(zip(pos, part))
+            self.cell.update(zip(pos, at))
             if pin:
                 self.pinned.update(pos)
             self.next_pos += len(part)
+            self.next_cell += len(part)
             self.cycle_if_due()
         return np.vstack(rows) if outputs else rows[-1][-1:]
 
@@ -74,10 +86,21 @@ class Stream:
         if self.evictor is None or not self.cycles or not self.evictor.due(len(self.tokens)):
             return
         cells = sorted(self.tokens)
+        at = [self.cell[p] for p in cells]
         report = self.evictor.cycle(self.seq, [self.tokens[p] for p in cells], cells, [p in self.pinned for p in cells],
-                                    labels=[self.labels.get(p, "") for p in cells])
+                                    labels=[self.labels.get(p, "") for p in cells], cells=None if at == cells else at)
         for p in report.evicted:
             del self.tokens[p]
+            del self.cell[p]
+        if self.evictor.config.compact and report.evicted and self.backend.capabilities.shift:
+            from kvagent.eviction import compact_positions
+
+            if not self._owned:  # a shift would move the cells for every sequence sharing them
+                self.backend.seq_restore(self.seq, self.backend.seq_save(self.seq))
+                self._owned = True
+            kept = sorted(self.tokens)
+            self.next_cell = compact_positions(self.backend, self.seq, [self.cell[p] for p in kept])
+            self.cell = {p: i for i, p in enumerate(kept)}
         self.cycle_ms.append(report.cycle_ms)
         self.kept.append(tuple(sorted(self.tokens)))
 
@@ -90,6 +113,7 @@ class Stream:
             evictor.adopt(self.evictor)
         other = Stream(self.backend, seq, evictor, self.chunk)
         other.tokens, other.pinned, other.next_pos = dict(self.tokens), set(self.pinned), self.next_pos
+        other.cell, other.next_cell, other._owned = dict(self.cell), self.next_cell, False
         other.labels = self.labels
         other.cycle_if_due()
         return other

@@ -23,7 +23,7 @@ from kvagent.bench.evict_report import row
 from kvagent.bench.evict_stream import Stream, greedy
 from kvagent.bench.evict_suite import make_stream_texts
 from kvagent.eviction import Eviction, Evictor
-from kvagent.bench.evict_agent import registry_or_variant
+from kvagent.bench.evict_agent import bench_eviction, registry_or_variant
 from kvagent.policies import CacheView, FullSurprise
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def overhead(engine: Any, policies: tuple[str, ...], budget: int, chunk: int, st
     rows = []
     for name in policies:
         progress(f"{model} overhead: {name}, {steps} decode steps")
-        evictor = Evictor(Eviction(registry_or_variant(name), budget=budget, chunk=chunk), backend, engine.model.path)
+        evictor = Evictor(bench_eviction(name, budget, chunk), backend, engine.model.path)
         with engine.scratch() as seq, engine.scratch() as base_seq:
             evicting, plain = Stream(backend, seq, evictor, chunk), Stream(backend, base_seq, None, chunk)
             logits, base_logits = _feed_prompt(evicting, ids), _feed_prompt(plain, ids)

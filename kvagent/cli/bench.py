@@ -179,8 +179,8 @@ def bench_evict(
     policies: str = typer.Option(None, help="Policies, comma-separated. Held-out: default the calibration "
                                  "candidates on --split calibration, the chosen set on test. Books: every task runs these "
                                  "instead of its own list (retention and perplexity beside the full cache, latency "
-                                 "beside the prefill), replacing only their rows. Held-out with --dialogues 0: NAME/compact "
-                                 "is NAME with the pruned copy's positions compacted (0..k-1)."),
+                                 "beside the prefill), replacing only their rows. NAME/compact: NAME with Eviction(compact=True), "
+                                 "the kept cells renumbered 0..k-1 after each cycle (retention, perplexity, held-out)."),
     budgets: str = typer.Option("0.25", help="Held-out budgets (shares of the context), comma-separated."),
     peer: str = typer.Option(None, help="'kvpress': also run NVIDIA kvpress's presses on the same cases "
                              "(pip install 'kvagent[kvpress]')."),
@@ -203,7 +203,7 @@ def bench_evict(
         raise typer.BadParameter(f"unknown task(s) in {tasks!r}: use {', '.join(evict.TASKS)}", param_hint="--tasks")
     picked = tuple(p.strip() for p in policies.split(",") if p.strip()) if policies else None
     if picked:
-        known = evict_agent.bench_policy_names()
+        known = evict_agent.bench_policy_names(compact=True)
         unknown = [p for p in picked if p not in known]
         if unknown:
             raise typer.BadParameter(f"unknown policies {unknown}: use {', '.join(sorted(known))}",
@@ -249,9 +249,6 @@ def _bench_evict_heldout(model: str | None, split: str, contexts: int, dialogues
     unknown = [p for p in chosen if p not in known]
     if unknown:
         raise typer.BadParameter(f"unknown policies {unknown}: use {', '.join(sorted(known))}", param_hint="--policies")
-    if dialogues and any(p.endswith(evict_agent.COMPACT) for p in chosen):
-        raise typer.BadParameter(f"'{evict_agent.COMPACT}' policies run in the once setting only: use --dialogues 0",
-                                 param_hint="--policies")
     shares = tuple(float(b) for b in budgets.split(","))
     json_path = json_path or RESULTS_DIR / f"evict-heldout-{split}.json"
     with console.status("held-out eviction benchmark") as status:

@@ -32,7 +32,7 @@ def save_blob(state: CachedSequence, fingerprint: str) -> bytes:
     # restored session evicts as the saved one would have (without it, the restored cells have no hidden states)
     policy, saved = (ev.policy.name, ev.state()) if ev is not None else ("", {})
     return KVBlob(fingerprint, state.backend.format, state.tokens, state.save(), logits,
-                  tuple(sorted(state.evicted)), policy, saved).to_bytes()
+                  tuple(sorted(state.evicted)), policy, saved, tuple(sorted(state.closed))).to_bytes()
 
 
 def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fingerprint: str, *,
@@ -54,9 +54,10 @@ def restore_blob(state: CachedSequence, blob: bytes, tokens: tuple[int, ...], fi
     if logits is not None and logits.shape != (backend.n_vocab,):
         raise KVAgentError(f"the blob's logits have {logits.size} entries, the model {backend.n_vocab}")
     recorded = _load_evictor(state, parsed)
-    state.restore(parsed.payload, parsed.tokens, logits, frozenset(parsed.evicted), share=share, recorded=recorded)
+    state.restore(parsed.payload, parsed.tokens, logits, frozenset(parsed.evicted), share=share, recorded=recorded,
+                  closed=frozenset(parsed.closed))
     held = list(backend.seq_positions(state.seq))
-    if held != list(state.cached_positions):
+    if held != state.cells_at(state.cached_positions):
         state.cut(0)
         raise KVAgentError(
             f"the blob's cache holds {len(held)} cells, its header records {len(state.cached_positions)} kept positions "

@@ -1,8 +1,9 @@
 """CachedSequence: one backend sequence and exactly what it caches.
 
 Invariant (checked by the integration tests against the backend): the sequence holds a cell for every
-position ``0..len(tokens)-1`` except ``evicted``, each computed from ``tokens``; ``logits`` are the
-next-token logits after the last position, or None when unknown. ``stale`` positions hold KV computed
+position ``0..len(tokens)-1`` except ``evicted``, each computed from ``tokens``, at :meth:`cell` of its position
+(the position itself, less the ``closed`` evicted positions before it: holes an ``Eviction(compact=True)`` cycle
+moved the later cells into); ``logits`` are the next-token logits after the last position, or None when unknown. ``stale`` positions hold KV computed
 before an upstream edit (field-only / selective splices). ``floor``: on sliding-window models whose backend
 drops cells behind the window (``Capabilities.swa_keeps_all`` false: llama.cpp without kvagent's patch) a
 restored or transplanted cache lacks the SWA cells outside the window, so the cache may not be cut below ``floor``
@@ -53,12 +54,12 @@ class CachedSequence:
         self.alone_chunk = max(self.chunk, alone_chunk) if alone_chunk and alone is not None else None
         self._alone = alone
         self.preempted = 0  # larger chunks given up because other work arrived (for tests and benchmarks)
-        # what decodes this sequence's tokens: the evictor records hidden states on the way (same signature)
-        self._decoder: Backend | Evictor = evictor if evictor is not None else pool.backend
         self._tokens: tuple[int, ...] = ()
         self._logits: np.ndarray | None = None
         self._stale: frozenset[int] = frozenset()
         self._evicted: frozenset[int] = frozenset()
+        self._closed: frozenset[int] = frozenset()  # evicted positions whose holes later cells were moved into
+        self._holes = np.zeros(0, dtype=np.int64)  # sorted(self._closed), for cell()
         self._floor = 0
         self._restored = False  # cells loaded from saved bytes: never published until the cache is cut to 0
 
@@ -67,11 +68,27 @@ class CachedSequence:
     logits = property(lambda self: self._logits, doc="Next-token logits ``[n_vocab]`` after the last position, or None.")
     stale = property(lambda self: self._stale, doc="Positions whose KV predates an upstream splice.")
     evicted = property(lambda self: self._evicted, doc="Positions an eviction cycle removed.")
+    closed = property(lambda self: self._closed, doc="Evicted positions whose holes later cells were moved into.")
     floor = property(lambda self: self._floor, doc="The cache may not be cut below this and extended (0: anywhere).")
 
     @property
     def cells(self) -> int:
         return len(self._tokens) - len(self._evicted)
+
+    def cell(self, position: int) -> int:
+        """Where llama.cpp holds (or will hold) ``position``: the position less the closed holes before it."""
+        return position - int(np.searchsorted(self._holes, position)) if self._holes.size else position
+
+    def cells_at(self, positions: Sequence[int]) -> list[int]:
+        """:meth:`cell` of each of ``positions``."""
+        if not self._holes.size:
+            return list(positions)
+        pos = np.asarray(positions, dtype=np.int64)
+        return (pos - np.searchsorted(self._holes, pos)).tolist()
+
+    def _set_evicted(self, evicted: frozenset[int], closed: frozenset[int]) -> None:
+        self._evicted, self._closed = evicted, closed
+        self._holes = np.array(sorted(closed), dtype=np.int64)
 
     @property
     def cached_positions(self) -> tuple[int, ...]:
@@ -105,12 +122,14 @@ class CachedSequence:
     # -- cutting and sharing ----------------------------------------------------------------------
     def cut(self, position: int) -> None:
         """Remove every cell from ``position`` on, and what was recorded about them."""
-        self.backend.seq_rm(self.seq, position, -1)
-        self.pool.cut(self.seq, position)
+        at = self.cell(position)
+        self.backend.seq_rm(self.seq, at, -1)
+        self.pool.cut(self.seq, at)
         self._tokens, self._logits = self._tokens[:position], None
         self._stale = frozenset(p for p in self._stale if p < position)
         if self._evicted:
-            self._evicted = frozenset(p for p in self._evicted if p < position)
+            self._set_evicted(frozenset(p for p in self._evicted if p < position),
+                              frozenset(p for p in self._closed if p < position))
         if position == 0:
             self._floor = 0
             self._restored = False
@@ -122,12 +141,15 @@ class CachedSequence:
     def share_prefix(self, src: int, tokens: Sequence[int]) -> None:
         """Hold ``tokens`` by taking ``src``'s cells for positions ``len(self.tokens)..len(tokens)-1`` (shared, not
         copied). ``src`` must hold exactly those tokens there, and ``tokens`` must extend ``self.tokens``."""
-        self.pool.share(src, self.seq, len(self._tokens), len(tokens))
+        self.pool.share(src, self.seq, self.cell(len(self._tokens)), self.cell(len(tokens)))
         self._tokens, self._logits = tuple(tokens), None
 
     def adopt_recompute(self, src: int, start: int, logits: np.ndarray) -> None:
         """Replace the cells from ``start`` on by ``src``'s (a recompute of the same tokens in a scratch sequence,
-        which holds every position): they are shared, and ``logits`` are the recompute's."""
+        which holds every position): they are shared, and ``logits`` are the recompute's. Not after a cycle closed
+        holes (the recompute's cells sit at the positions themselves)."""
+        if self._closed:
+            raise KVAgentError("a compacted cache cannot adopt a recompute's cells (internal error)")
         self.backend.seq_rm(self.seq, start, -1)
         self.pool.cut(self.seq, start)
         self.pool.share(src, self.seq, start, len(self._tokens))
@@ -190,7 +212,7 @@ class CachedSequence:
         """Decode the last position again, for its logits (a prompt that ends inside a transplanted skill:
         the copied cells come without logits); returns them ``[n_vocab]``."""
         last = len(self._tokens) - 1
-        self.backend.seq_rm(self.seq, last, -1)
+        self.backend.seq_rm(self.seq, self.cell(last), -1)
         self._logits = self._decode([self._tokens[last]], [last], [True])[0]
         return self._logits
 
@@ -207,7 +229,13 @@ class CachedSequence:
         self.maybe_cycle(rendered)
 
     def _decode(self, tokens: Sequence[int], positions: Sequence[int], outputs: Sequence[bool]) -> np.ndarray:
-        return self._decoder.decode(tokens, positions, [self.seq] * len(tokens), outputs)
+        """Decode at ``positions``, held at their cells; through the evictor when there is one (it records hidden
+        states on the way, by position)."""
+        seqs = [self.seq] * len(tokens)
+        cells = self.cells_at(positions) if self._holes.size else None
+        if self.evictor is not None:
+            return self.evictor.decode(tokens, positions, seqs, outputs, cells=cells)
+        return self.backend.decode(tokens, positions if cells is None else cells, seqs, outputs)
 
     # -- transplants ------------------------------------------------------------------------------
     def place_transplant(self, payload: bytes, tokens: Sequence[int], n_sink: int, seam: int, rendered: Rendered,
@@ -226,6 +254,7 @@ class CachedSequence:
         cycle may run after it.
         """
         position, length = len(self._tokens), len(tokens)
+        at = self.cell(position)  # where the skill's first token goes in llama.cpp (a compacted cache: below position)
         seam = min(seam, length)
         full = (*self._tokens, *tokens)
         fresh = [False] * length
@@ -239,12 +268,12 @@ class CachedSequence:
             if seam:  # decoded before the scratch takes its cells (the cell layout of a transplant without recompute)
                 self.extend_decoded(full[: position + seam])
             backend = self.backend
-            moved = self.pool.moved_state(payload, n_sink + seam, position - n_sink)
+            moved = self.pool.moved_state(payload, n_sink + seam, at - n_sink)
             with self.pool.scratch() as scratch:
                 backend.seq_restore(scratch, payload if moved is None else moved)
                 backend.seq_rm(scratch, 0, n_sink + seam)  # the sink's and the seam's cells never travel
                 if moved is None:
-                    backend.seq_add(scratch, n_sink + seam, -1, position - n_sink)
+                    backend.seq_add(scratch, n_sink + seam, -1, at - n_sink)
                 i = seam
                 while i < length:
                     end = i
@@ -288,12 +317,51 @@ class CachedSequence:
         priority_at = {p: span.priority for span in rendered.spans if span.priority for p in range(span.first, span.last + 1)}
         label_at = {p: span.label for span in rendered.spans for p in range(span.first, span.last + 1)}
         positions = self.cached_positions
+        cells = self.cells_at(positions)
         report = ev.cycle(self.seq, [self._tokens[p] for p in positions], positions, [p in pinned_at for p in positions],
                           [priority_at.get(p, 0) for p in positions] if priority_at else None,
-                          [label_at.get(p, "") for p in positions])
-        self._evicted = self._evicted | frozenset(report.evicted)
+                          [label_at.get(p, "") for p in positions], cells if self._holes.size else None)
+        gone = frozenset(report.evicted)
+        self._set_evicted(self._evicted | gone, self._closed)
+        if ev.config.compact and gone and self.backend.capabilities.shift:
+            self._compact([c for p, c in zip(positions, cells) if p not in gone])
         self.publish()
         return report
+
+    def _compact(self, held: list[int]) -> None:
+        """Move the cells ``held`` (every cell the sequence holds, ascending) to ``0..len(held)-1`` in order, so that
+        every evicted position becomes a closed hole. A cell another sequence shares would move for it too: the
+        sequence first takes its own copy of its cells (through a scratch sequence, so a refused copy loses nothing);
+        without a free scratch or room for the copy, the holes stay open until a later cycle (logged)."""
+        from kvagent.eviction import compact_positions
+
+        first = next((i for i, c in enumerate(held) if c != i), None)
+        if first is None:  # nothing moves
+            self._set_evicted(self._evicted, self._evicted)
+            return
+        if self.pool.shares_beyond(self.seq, held[first]):
+            if not self._own_cells():
+                return
+        compact_positions(self.backend, self.seq, held)
+        self._set_evicted(self._evicted, self._evicted)
+
+    def _own_cells(self) -> bool:
+        """Replace this sequence's cells by its own copy of them (no other sequence shares them after); False when
+        no scratch sequence is free or the copy was refused (nothing changed)."""
+        if not self.pool.free:
+            log.warning("seq %d: no free scratch sequence to copy shared cells into: its holes stay open", self.seq)
+            return False
+        data = self.backend.seq_save(self.seq)
+        with self.pool.scratch() as copy:
+            try:
+                self.backend.seq_restore(copy, data)
+            except Exception as exc:  # no room for the copy in the KV pool: the sequence is as it was
+                log.warning("seq %d: copying its shared cells failed (%s): its holes stay open", self.seq, exc)
+                return False
+            self.backend.seq_rm(self.seq, -1, -1)
+            self.pool.cut(self.seq, 0)
+            self.backend.seq_cp(copy, self.seq, 0, -1)  # the scratch is emptied on exit: the cells are ours alone
+        return True
 
     def publish(self) -> None:
         """Index this sequence's shareable prefix (:attr:`shareable`) in its scope, so other sessions of that
@@ -302,8 +370,10 @@ class CachedSequence:
 
     def resync_from_backend(self, tokens: Sequence[int]) -> None:
         """After a failed decode: record exactly the prefix of ``tokens`` the backend now holds."""
-        _, pos_max = self.backend.seq_pos_range(self.seq)
-        self._tokens, self._logits = tuple(tokens[: pos_max + 1]), None
+        _, cell_max = self.backend.seq_pos_range(self.seq)
+        held = [p for p in range(len(tokens)) if p not in self._evicted]
+        last = next((p for p in reversed(held) if self.cell(p) <= cell_max), -1)
+        self._tokens, self._logits = tuple(tokens[: last + 1]), None
         self.publish()
 
     # -- save / restore ---------------------------------------------------------------------------
@@ -311,9 +381,10 @@ class CachedSequence:
         return self.backend.seq_save(self.seq)
 
     def restore(self, payload: bytes, tokens: tuple[int, ...], logits: np.ndarray | None,
-                evicted: frozenset[int] = frozenset(), *, share: bool = False, recorded: bool = False) -> None:
-        """Replace the cache by saved bytes holding ``tokens`` less the ``evicted`` positions (checked by
-        the caller against the backend's cells). ``share``: the bytes are this process's own (a parked session
+                evicted: frozenset[int] = frozenset(), *, share: bool = False, recorded: bool = False,
+                closed: frozenset[int] = frozenset()) -> None:
+        """Replace the cache by saved bytes holding ``tokens`` less the ``evicted`` positions, at their cells after the
+        ``closed`` holes (checked by the caller against the backend's cells). ``share``: the bytes are this process's own (a parked session
         it saved itself), so the prefix is published as usual; otherwise it is kept out of the prefix index
         until the cache is cut to 0. ``recorded``: the evictor already holds the state saved with these bytes
         (``Evictor.load_state``); otherwise it forgets what it recorded (the cells come without hidden states)."""
@@ -321,7 +392,8 @@ class CachedSequence:
         try:
             self.backend.seq_restore(self.seq, payload)
         except Exception:  # llama.cpp empties the sequence before it refuses: record that
-            self._tokens, self._logits, self._evicted, self._stale, self._floor = (), None, frozenset(), frozenset(), 0
+            self._tokens, self._logits, self._stale, self._floor = (), None, frozenset(), 0
+            self._set_evicted(frozenset(), frozenset())
             self._restored = False
             if self.evictor is not None:
                 self.evictor.forget_from(0)
@@ -329,7 +401,8 @@ class CachedSequence:
             raise
         self._restored = not share
         self._tokens, self._logits = tokens, logits
-        self._evicted, self._stale = frozenset(evicted), frozenset()
+        self._set_evicted(frozenset(evicted), frozenset(closed) & frozenset(evicted))
+        self._stale = frozenset()
         if self.evictor is not None and not recorded:
             self.evictor.forget_from(0)  # restored cells come without captured hidden states
         keeps_all = self.backend.capabilities.swa_keeps_all  # always true without sliding-window layers

@@ -77,6 +77,8 @@ def sync(
         keep = 0
     shared_seq, shared = pool.index.match(new, exclude=state.seq, scope=state.scope) if share_prefix else (-1, 0)
     shared = min(shared, len(new) - 1)
+    if state.cell(keep) != keep:  # holes closed below: another sequence's cells sit at other positions than ours
+        shared = 0
     # a reused prefix that ends inside a compiled skill would decode the skill's rest: transplant it whole
     keep = _before_skill(rendered, keep, skills, renderer_sink)
     shared = _before_skill(rendered, shared, skills, renderer_sink)
@@ -107,7 +109,8 @@ def sync(
         raise KVAgentError("sync produced no logits (internal error)")
     state.commit(new, logits[-1])
     fidelity_cos, fell_back = None, False
-    if transplanted and fidelity is not None and fidelity.sampled():
+    # (not after eviction: a full prefill is no reference for a cache that forgot on purpose)
+    if transplanted and fidelity is not None and not state.evicted and fidelity.sampled():
         fidelity_cos, fell_back = _guard(state, fidelity, new, start_at)
     log.debug("seq %d sync: reused %d (shared %d), computed %d, transplanted %d", state.seq, keep, gained, computed, transplanted)
     return PrefillReport(keep, computed, time.perf_counter() - start, gained, transplanted, fidelity_cos, fell_back)

@@ -20,7 +20,7 @@ import pytest
 
 from kvagent.engine import Engine
 from kvagent.errors import ContextOverflowError, EvictionError
-from kvagent.eviction import _MARGIN, Eviction, position_runs
+from kvagent.eviction import _MARGIN, Eviction, compact_positions, position_runs
 from kvagent.policies import (
     POLICIES, CacheView, EvictionPolicy, FastSurprise, FullSurprise, IncrementalSurprise, KeepSinks, get_policy,
     select_keep,
@@ -114,6 +114,8 @@ class Decode:
     cached: tuple[int, ...]  # the session's cached_positions
     incomplete_pinned: tuple[str, ...]
     capturing: bool  # activation capture was on (the graph is then computed in pieces: replayed alike)
+    cells: tuple[int, ...]  # where the session says llama.cpp holds its cached positions (compacted: 0..k-1)
+    closed: int  # holes closed below the decoded positions: their own positions are these cells + closed
 
 
 @contextmanager
@@ -128,6 +130,7 @@ def spy_on_decode(engine: Engine, session: Callable[[], Session | None]) -> Iter
             calls.append(Decode(
                 tuple(tokens), tuple(positions), tuple(bool(o) for o in outputs), tuple(backend.seq_positions(s.seq)),
                 s.cached_positions, tuple(incomplete_pinned(s)), bool(backend.capture and backend.capture.enabled),
+                tuple(s.cache.cells_at(s.cached_positions)), len(s.cache.closed),
             ))
         return real(tokens, positions, seq_ids, outputs)
 
@@ -148,12 +151,14 @@ class Case:
     chunk: int = CHUNK
     replay: bool = False
     n_ctx: int = N_CTX
+    compact: bool = False  # Eviction(compact=True): kept cells renumbered 0..k-1 after each cycle
 
     @property
     def id(self) -> str:
         extra = "" if (self.budget, self.chunk) == (BUDGET, CHUNK) else f"-J{self.budget}-h{self.chunk}"
         ctx = "" if self.n_ctx == N_CTX else f"-ctx{self.n_ctx}"
-        return f"{self.model}-{self.policy}-{self.n_tokens}{extra}{ctx}{'-replay' if self.replay else ''}"
+        return (f"{self.model}-{self.policy}-{self.n_tokens}{extra}{ctx}{'-compact' if self.compact else ''}"
+                f"{'-replay' if self.replay else ''}")
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,7 @@ class Stage:
     held: tuple[int, ...]
     incomplete_pinned: tuple[str, ...]
     spans_cover_cache: bool  # the cached positions of the spans are exactly the cached positions
+    cells: tuple[int, ...]  # where the session says llama.cpp holds its cached positions
 
 
 @dataclass
@@ -194,6 +200,7 @@ def stage(session: Session, engine: Engine) -> Stage:
         len(session.tokens), session.cached_positions, session.evicted_positions,
         tuple(engine.backend.seq_positions(session.seq)), tuple(incomplete_pinned(session)),
         sorted(spans) == list(session.cached_positions) and len(spans) == len(set(spans)),
+        tuple(session.cache.cells_at(session.cached_positions)),
     )
 
 
@@ -236,14 +243,20 @@ def replay(engine: Engine, run: Run) -> None:
 
     with engine.scratch() as seq:
         cells, done, out, cycled = 0, 0, None, False
+        held: list[int] = []  # the positions the replay's cells hold, in cell order
         for call in run.calls[: run.extend_calls]:
             out = decode(call)
+            held += [c + call.closed for c in call.positions]
             cells += len(call.tokens)
             cycled = done < len(cycles) and cells == cycles[done].before
             if cycled:
-                gone = sorted(cycles[done].evicted)
-                for first, last in position_runs(gone):
+                gone = set(cycles[done].evicted)
+                at = backend.seq_positions(seq)  # ascending cells, held[i] at at[i]
+                for first, last in position_runs([c for c, p in zip(at, held) if p in gone]):
                     backend.seq_rm(seq, first, last + 1)
+                if run.case.compact:  # as the session does after the cycle
+                    compact_positions(backend, seq, [c for c, p in zip(at, held) if p not in gone])
+                held = [p for p in held if p not in gone]
                 run.replay_before.append(cells)
                 cells = cycles[done].after
                 done += 1
@@ -265,7 +278,7 @@ def scenario(engine: Engine, case: Case) -> Run:
     pristine(engine)
     start = time.perf_counter()
     holder: list[Session] = []
-    eviction = Eviction(case.policy, case.budget, case.chunk)
+    eviction = Eviction(case.policy, case.budget, case.chunk, compact=case.compact)
     with spy_on_decode(engine, lambda: holder[0] if holder else None) as calls, \
             engine.session(segments(engine, case.n_tokens), eviction=eviction) as s:
         holder.append(s)
@@ -319,6 +332,12 @@ CASES = [
     # llama_decode found no free cell in the pool of 256)
     pytest.param(Case(S, "window", 400, budget=256 - 56 - _MARGIN, chunk=56, n_ctx=256)),
     pytest.param(Case(G, "window", 400, budget=256 - 56 - _MARGIN, chunk=56, n_ctx=256)),
+    # Eviction(compact=True): the kept cells renumbered 0..k-1 after each cycle (K-shift); the window decodes in the
+    # shared batch (generation's positions are cells), contrast through the evictor; Gemma-3's sliding window
+    pytest.param(Case(S, "window", 700, replay=True, compact=True)),
+    pytest.param(Case(S, "contrast", 700, replay=True, compact=True)),
+    pytest.param(Case(G, "window", 700, replay=True, compact=True)),
+    pytest.param(Case(G, "contrast", 330, replay=True, compact=True)),
     pytest.param(Case(G, "window", LONG, replay=True), marks=pytest.mark.slow),
     pytest.param(Case(S, "random", 700, replay=True), marks=pytest.mark.slow),
     pytest.param(Case(G, "h2o", 700), marks=pytest.mark.slow),
@@ -380,8 +399,12 @@ def test_pinned_spans_survive_every_cycle(run: Run, case: Case) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_span_table_matches_the_cells_after_every_cycle(run: Run, case: Case) -> None:
-    assert [c.positions[0] for c in run.calls if c.held != c.cached] == []
-    assert {name: st.held == st.cached for name, st in run.stages.items()} == {name: True for name in run.stages}
+    assert [c.positions[0] for c in run.calls if c.held != c.cells] == []
+    assert {name: st.held == st.cells for name, st in run.stages.items()} == {name: True for name in run.stages}
+    # compacted: the cells are 0..k-1; else each position is its own cell
+    numbered = {name: st.cells == (tuple(range(len(st.cached))) if case.compact else st.cached)
+                for name, st in run.stages.items()}
+    assert numbered == {name: True for name in run.stages}
     assert {name: st.spans_cover_cache for name, st in run.stages.items()} == {name: True for name in run.stages}
     # every position of the prompt is either cached or evicted, and evicted exactly by the cycles
     at_extend = run.stages["extend"]
@@ -706,24 +729,27 @@ def _extend_restored(engine: Engine, blob: bytes, segs: list[Segment], eviction:
     the same after the extend)."""
     with engine.session(segs, eviction=eviction) as b:
         b.restore(blob, segs)
-        assert tuple(engine.backend.seq_positions(b.seq)) == b.cached_positions
+        assert engine.backend.seq_positions(b.seq) == b.cache.cells_at(b.cached_positions)
         logits, before = b.logits(), b.evicted_positions
         b.extend(more)
         return logits, before, b.logits(), b.evicted_positions
 
 
-@pytest.mark.parametrize(("model", "policy"), [(S, "window"), (G, "window"), (S, "hybrid"), (G, "hybrid"), (S, "h2o"),
-                                               (S, "selfinfo"), (S, "contrast"),
-                                               pytest.param(G, "contrast", marks=pytest.mark.slow),
-                                               pytest.param(S, "kvzip", marks=pytest.mark.slow),  # 22 s: the replays
-                                               pytest.param(G, "surprise-token", marks=pytest.mark.slow)])
-def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine], model: str, policy: str) -> None:
+@pytest.mark.parametrize(("model", "policy", "compact"), [
+    (S, "window", False), (G, "window", False), (S, "hybrid", False), (G, "hybrid", False), (S, "h2o", False),
+    (S, "selfinfo", False), (S, "contrast", False),
+    (S, "contrast", True), (G, "window", True),  # Eviction(compact=True): the blob's cells sit at compacted positions
+    pytest.param(G, "contrast", False, marks=pytest.mark.slow),
+    pytest.param(S, "kvzip", False, marks=pytest.mark.slow),  # 22 s: the replays
+    pytest.param(G, "surprise-token", False, marks=pytest.mark.slow)])
+def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine], model: str, policy: str,
+                                                      compact: bool) -> None:
     from kvagent.kvblob import KVBlob
 
     engine = engines[model]
     pristine(engine)
     segs = segments(engine, 700)
-    eviction = Eviction(policy, BUDGET, CHUNK)
+    eviction = Eviction(policy, BUDGET, CHUNK, compact=compact)
     more = Segment.user(prose(engine, 2 * CHUNK, skip=40) + "\n\n" + QUESTION)  # long enough for cycles
     with engine.session(segs, eviction=eviction) as a:
         a.prefill()
@@ -748,6 +774,7 @@ def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine]
     print(f"\n[{model}/{policy}] the question after the restore: logits cosine {asked:.6f}")
     assert asked >= 0.999
     parsed = KVBlob.from_bytes(blob, model_fingerprint=fingerprint, backend_format=engine.backend.format)
+    assert parsed.closed == (tuple(sorted(evicted)) if compact else ())
     stripped = replace(parsed, evictor_policy="", evictor={}).to_bytes()
 
     def agreement(got_evicted: frozenset[int]) -> float:
@@ -944,3 +971,39 @@ def test_incremental_surprise_follows_cells_that_were_rewritten_or_moved(engines
     print(f"\n[{model}] rewritten tail, holes, back: max |incremental - scratch| {worst:.2e}")
     assert worst <= EXACT_BOUND
     assert inc.stats.keys_added > 0
+
+
+# --- compaction next to a session that shares the cells (Eviction(compact=True)) ------------------------------------
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("own_copy", [True, False])
+def test_compacting_never_moves_the_cells_of_a_session_that_shares_them(engines: dict[str, Engine], model: str,
+                                                                        own_copy: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """B starts from A's prompt (its cells shared through the prefix index), evicts inside it and compacts: llama.cpp
+    moves a shared cell for every sequence holding it, so B takes its own copy first and A's cells stay where they
+    were. The control (``own_copy=False``: the copy skipped) shows what the copy prevents: A's cells move."""
+    from kvagent.kv.sequence import CachedSequence
+
+    if not own_copy:
+        monkeypatch.setattr(CachedSequence, "_own_cells", lambda self: True)
+    engine = engines[model]
+    pristine(engine)
+    segs = segments(engine, 400)
+    with engine.session(segs) as a:
+        a.prefill()
+        before = engine.backend.seq_positions(a.seq)
+        more = [*segs, Segment.user(prose(engine, 3 * CHUNK, skip=40))]
+        with engine.session(more, eviction=Eviction("window", BUDGET, CHUNK, compact=True)) as b:
+            report = b.prefill()
+            assert b.cycles and report.shared > 0  # it started from A's cells, then evicted among them
+            held_b = engine.backend.seq_positions(b.seq)
+            assert held_b == list(range(len(b.cached_positions)))  # compacted
+            after = engine.backend.seq_positions(a.seq)
+            shared_after = engine.pool.shares_beyond(b.seq, 0)
+        print(f"\n[{model}] own copy {own_copy}: A held {len(before)} cells at 0..{before[-1]}; after B compacted: "
+              f"{len(after)} cells, first moved {next((p for p, q in zip(before, after) if p != q), None)}")
+    if own_copy:
+        assert after == before
+        assert not shared_after
+    else:
+        assert after != before

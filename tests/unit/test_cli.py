@@ -98,7 +98,6 @@ def test_adapter_commands_plug_in_or_say_what_to_install(entry: _EntryPoint, arg
 
 # held-out eviction arguments refused before any model loads: (arguments, what the error names)
 REFUSED = [
-    (["--policies", "contrast/compact", "--dialogues", "2"], "--dialogues 0"),
     (["--policies", "no-such-policy"], "unknown policies"),
     (["--policies", "contrast/compacted", "--dialogues", "0"], "unknown policies"),
 ]

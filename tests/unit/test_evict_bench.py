@@ -59,6 +59,9 @@ SHARED = [
     (("window", "random"), (0.25,), 64),
     (("window", "random"), (0.5, 0.25), 32),
     (("random",), (0.3,), 7),
+    # Eviction(compact=True): each fork copies its shared cells before it moves them (else the base's would move)
+    (("window/compact", "random/compact", "window"), (0.25,), 64),
+    (("random/compact",), (0.5, 0.25), 32),
 ]
 
 
@@ -75,6 +78,9 @@ def test_a_shared_prefix_changes_nothing(engine: Engine, policies: tuple[str, ..
         assert (answer.text, answer.kept, len(answer.cycle_ms)) == (alone.text, alone.kept, len(alone.cycle_ms))
         assert answer.policy == "full" or len(answer.kept) >= 2
     assert engine.pool.free == 3  # every scratch sequence went back
+    compacted = {a.policy: a.text for a in shared if a.budget == 0.25}
+    if "window/compact" in compacted:  # the renumbered cells answer otherwise (the fake hashes positions)
+        assert compacted["window/compact"] != compacted["window"]
 
 
 def test_cache_view_shifts_queries_and_previous_tokens_by_one() -> None:
