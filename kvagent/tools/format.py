@@ -57,7 +57,7 @@ def call_schema(tools: ToolSet) -> dict[str, Any]:
     """The JSON schema of one call to one of ``tools``: ``{"name": <const>, "arguments": <its parameters>}``. An
     arguments object that does not say otherwise takes no keys beyond its properties (``additionalProperties:
     false``, as OpenAI's strict mode): measured on both shipped models, an open object makes them append
-    schema-like keys until ``max_tokens``."""
+    schema-like keys until ``max_tokens`` (the grammar closes nested objects too: :func:`grammar.closed_objects`)."""
     return {"anyOf": [{
         "type": "object",
         "properties": {"name": {"const": t.name}, "arguments": {"additionalProperties": False, **dict(t.parameters)}},

@@ -3,8 +3,9 @@ JSON schemas and Lark, the tokenizer of a backend's vocabulary, and the per-sess
 
 This module is the only one that imports ``llguidance``. JSON schemas become grammars through llguidance's own
 compiler (``LLMatcher.grammar_from_json_schema``; kvagent never converts a schema by hand), with fixed separators
-and no free whitespace, so a constrained call or object re-serializes to exactly its text. A schema with
-keywords the compiler cannot express is refused when it is bound (:func:`check_schema`), naming them.
+and no free whitespace, so a constrained call or object re-serializes to exactly its text, and every object with
+``properties`` that does not say otherwise closed (:func:`closed_objects`). A schema with keywords the compiler
+cannot express is refused when it is bound (:func:`check_schema`), naming them.
 
 Shapes: a mask is applied to logits ``[n_vocab]`` float32 in place of a copy (disallowed tokens -inf).
 """
@@ -39,8 +40,40 @@ def _llg() -> Any:
     return llguidance
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def closed_objects(schema: Any, *, close: bool = True) -> Any:
+    """``schema`` with every object that lists ``properties`` and says nothing of other keys closed
+    (``additionalProperties: false``, as OpenAI's strict mode requires of every object). Measured on both shipped
+    models: an open object makes them append keys (schema-like ones, ``""``) until ``max_tokens``; a schema that
+    wants other keys says so (``additionalProperties: true`` or a schema), and an object without ``properties``
+    (JSON mode's ``{"type": "object"}``) stays open. The branches of an ``allOf`` are not closed themselves (each
+    would forbid the others' keys); what they hold is. Returns a copy; ``schema`` is left as it was."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(sub, close=False) for sub in out["allOf"]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), Mapping):
+            out[key] = closed_objects(out[key])
+    if close and "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
+            and "unevaluatedProperties" not in out and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _with_options(schema: Mapping[str, Any]) -> dict[str, Any]:
-    return {**dict(schema), "x-guidance": JSON_OPTIONS}
+    return {**closed_objects(schema), "x-guidance": JSON_OPTIONS}
 
 
 def check_schema(name: str, schema: dict[str, Any]) -> None:
