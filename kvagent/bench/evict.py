@@ -162,8 +162,7 @@ def case_answers(engine: Any, case: RetentionCase, policies: tuple[str, ...], bu
             cells = int(budget * len(ids))
             _advance(base, ids, prefix_length(cells, chunk, len(ids)))
             for policy in policies:
-                evictor = Evictor(bench_eviction(policy, cells, chunk), backend,
-                                  engine.model.path)
+                evictor = Evictor(bench_eviction(policy, cells, chunk), backend, engine.model.path)
                 with engine.scratch() as seq:
                     stream = base.fork(seq, evictor)
                     _advance(stream, ids, len(ids))
@@ -187,8 +186,7 @@ def case_answer_alone(engine: Any, case: RetentionCase, policy: str | None, budg
     backend = engine.backend
     ids, cloze, max_new = case_prompt(backend, case)
     cells = int(budget * len(ids)) if policy is not None and budget is not None else None
-    evictor = None if cells is None else Evictor(bench_eviction(policy, cells, chunk),
-                                                      backend, engine.model.path)
+    evictor = None if cells is None else Evictor(bench_eviction(policy, cells, chunk), backend, engine.model.path)
     with engine.scratch() as seq, engine.scratch() as holder:  # the holder stays empty unless hold_prefix
         stream = Stream(backend, seq, evictor, chunk, cycles=not hold_prefix)
         stream.feed(ids[:1], outputs=False, pin=True)

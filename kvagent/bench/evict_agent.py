@@ -186,12 +186,10 @@ def registry_or_variant(name: str) -> EvictionPolicy:
     return make_policy(name, calibration_variants(shared=False))
 
 
-def bench_eviction(name: str, budget: int, chunk: int, variants: dict[str, Callable[[], EvictionPolicy]] | None = None,
-                   ) -> Eviction:
-    """The eviction a stream runs for policy ``name`` (a fresh policy; ``NAME/compact`` compacts after each
-    cycle): from ``variants`` when given, else the registry first, then the calibration candidates."""
-    policy = make_policy(name, variants) if variants is not None else registry_or_variant(split_compact(name)[0])
-    return Eviction(policy, budget=budget, chunk=chunk, compact=split_compact(name)[1])
+def bench_eviction(name: str, budget: int, chunk: int) -> Eviction:
+    """The eviction a stream runs for policy ``name`` (a fresh policy from :func:`registry_or_variant`;
+    ``NAME/compact`` compacts after each cycle)."""
+    return Eviction(registry_or_variant(name), budget=budget, chunk=chunk, compact=split_compact(name)[1])
 
 
 def bench_policy_names(compact: bool = False) -> set[str]:
@@ -572,7 +570,6 @@ def run_heldout(models: list[str], split: str, contexts: int, dialogues: int, po
 
     from kvagent.bench.common import write_json
     from kvagent.bench.evict_heldout import make_cases, make_dialogues
-
 
     records: list[dict[str, Any]] = []
     if json_path.is_file():

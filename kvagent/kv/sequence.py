@@ -336,13 +336,10 @@ class CachedSequence:
         from kvagent.eviction import compact_positions
 
         first = next((i for i, c in enumerate(held) if c != i), None)
-        if first is None:  # nothing moves
-            self._set_evicted(self._evicted, self._evicted)
-            return
-        if self.pool.shares_beyond(self.seq, held[first]):
-            if not self._own_cells():
+        if first is not None:  # else nothing moves
+            if self.pool.shares_beyond(self.seq, held[first]) and not self._own_cells():
                 return
-        compact_positions(self.backend, self.seq, held)
+            compact_positions(self.backend, self.seq, held)
         self._set_evicted(self._evicted, self._evicted)
 
     def _own_cells(self) -> bool:

@@ -43,6 +43,8 @@ def _llg() -> Any:
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+"""Keywords by which an object says (or an ``allOf`` may say) which keys beyond its ``properties`` it takes."""
 
 
 def closed_objects(schema: Any, *, close: bool = True) -> Any:
@@ -66,8 +68,7 @@ def closed_objects(schema: Any, *, close: bool = True) -> Any:
     for key in _SCHEMA_ONE:
         if isinstance(out.get(key), Mapping):
             out[key] = closed_objects(out[key])
-    if close and "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
-            and "unevaluatedProperties" not in out and "allOf" not in out:
+    if close and "properties" in out and not any(key in out for key in _OTHER_KEYS):
         out["additionalProperties"] = False
     return out
 
