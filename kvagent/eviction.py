@@ -13,7 +13,7 @@ the backend can shift cells): after each cycle the session renumbers its kept ce
 (llama.cpp's K-shift, StreamingLLM's rolling positions), so a token's cell is its position less the evicted
 positions before it. llama.cpp's mask is position-based, so holes are fine without it (``compact=False``); with
 it, a sliding-window layer (Gemma-3: 512 positions) sees the last 512 *kept* tokens instead of what was kept of
-the last 512 positions, and both models kept more facts (BENCHMARKS.md, "Held-out eviction"). The evictor is told
+the last 512 positions, and both models kept more facts (docs/benchmarks/eviction.md, "Held-out eviction"). The evictor is told
 the cells where they differ (``cells=`` of :meth:`decode` and :meth:`cycle`); the session does the renumbering
 (``CachedSequence``).
 """
@@ -50,7 +50,7 @@ class Eviction:
     ``"contrast"``, the policy that kept the most facts on the held-out agent cases), ``budget`` J cells kept after a
     cycle, ``chunk`` h tokens inferred between cycles. ``compact`` (default): after each cycle the kept cells are
     renumbered ``0..k-1`` where the backend can shift cells (see the module), which kept more facts on both models on
-    the held-out split (BENCHMARKS.md); ``False`` leaves every kept token at its position."""
+    the held-out split (docs/benchmarks/eviction.md); ``False`` leaves every kept token at its position."""
 
     policy: str | EvictionPolicy = "contrast"
     budget: int = 1024

@@ -87,24 +87,26 @@ for fa in 0 1; do
         --json "$RES/splice-fa$fa.json"
 done
 
-# 3. the integration tests, all layers offloaded, flash attention as the engine chooses, then off
+# 3. the integration tests (both tiers, slow cases left out), all layers offloaded, flash attention as the
+# engine chooses, then off
+TIERS="not slow"
 TESTS="tests/integration/test_session.py tests/integration/test_edits.py tests/integration/test_skills.py \
 tests/integration/test_eviction.py tests/integration/test_native_capture.py"
 DESELECT=${GPU_CHECK_DESELECT-"not gemma3 and not other"}
 # with flash attention there is no kq_soft_max-N node to capture: that case of the capture test assumes it off
 NO_SOFTMAX="not (test_native_and_python_capture_the_same_numbers and names1)"
 # the default first (flash attention on with a GPU): with flash attention there is no kq_soft_max-N node to capture
-step "tests fa=default" 170 $PY -m pytest -q -p no:cacheprovider $TESTS -k "${DESELECT:+$DESELECT and }$NO_SOFTMAX" \
+step "tests fa=default" 170 $PY -m pytest -q -p no:cacheprovider -m "$TIERS" $TESTS -k "${DESELECT:+$DESELECT and }$NO_SOFTMAX" \
     --junitxml="$RES/tests-fa-default.xml"
-step "tests fa=0 (optional)" 170 env KVAGENT_FLASH_ATTN=0 $PY -m pytest -q -p no:cacheprovider $TESTS \
+step "tests fa=0 (optional)" 170 env KVAGENT_FLASH_ATTN=0 $PY -m pytest -q -p no:cacheprovider -m "$TIERS" $TESTS \
     ${DESELECT:+-k "$DESELECT"} --junitxml="$RES/tests-fa0.xml"
 
 # 4. benchmarks, quick modes (the model as a path relative to the repository: `bench compose` keeps a skill store
 # per model under store_dir / model, which an absolute path would replace by the model file itself)
 BMODEL=$(realpath --relative-to="$ROOT" "$MODEL")
-step "bench edit --quick" 120 $PY -m kvagent.cli bench edit --quick --model "$BMODEL" --json "$RES/edit-quick.json"
-step "bench compose --quick" 120 $PY -m kvagent.cli bench compose --quick --model "$BMODEL" --json "$RES/compose-quick.json"
-step "bench concurrency --quick" 120 $PY -m kvagent.cli bench concurrency --quick --model "$BMODEL" --flash-attn \
+step "bench edit --quick" 120 $PY -m kvagent_bench edit --quick --model "$BMODEL" --json "$RES/edit-quick.json"
+step "bench compose --quick" 120 $PY -m kvagent_bench compose --quick --model "$BMODEL" --json "$RES/compose-quick.json"
+step "bench concurrency --quick" 120 $PY -m kvagent_bench concurrency --quick --model "$BMODEL" --flash-attn \
     --json "$RES/concurrency-quick.json"
 
 # 5. illegal accesses that do not crash: compute-sanitizer on a short loop

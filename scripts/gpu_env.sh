@@ -8,7 +8,7 @@ gpu_env_setup() {
         rm -rf "$SITE"
         $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$BUNDLE"/wheels/*.whl || { echo "FAIL install"; return 1; }
     fi
-    export PYTHONPATH=$SITE:$ROOT
+    export PYTHONPATH=$SITE:$ROOT:$ROOT/adapters/bench
     local libs
     libs=$($PY - <<'PYEOF'
 import glob, os, site

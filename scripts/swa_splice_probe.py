@@ -19,7 +19,7 @@ import numpy as np
 import kvagent.session as session_module
 from kvagent import Engine, EngineSettings, Segment
 from kvagent.edits import Selective
-from tests.conftest import cosine
+from kvagent.skills.fidelity import cosine
 from tests.integration.test_edits import POLICY, STATUS, _long_notes, question_segments
 
 

@@ -1,4 +1,20 @@
-"""Shared fixtures: one engine per real model for the whole run (loading is the slow part)."""
+"""Shared fixtures, and the two test tiers.
+
+``make test`` runs the fast tier: ``pytest`` (its default ``-m 'not full'``). ``make test-all`` runs it and then
+the rest: ``pytest -m full``. No case runs in both. A case belongs to the full tier when it is marked
+
+- ``slow``: long-running;
+- ``e2e``: a whole process or a long run of one (the server soak, fuzz at length, the desktop app, the
+  examples, the demo, a ten-turn graph);
+- ``bench``: a benchmark's smoke test (the benchmarks are their own distribution, ``adapters/bench``);
+- ``full``: named for the full tier directly;
+
+or when it runs on a model after the first of :data:`tests.models.MODELS` (a parameter of the case, the
+``engine`` fixture's included) and is not marked ``arch``. ``arch`` marks the checks whose outcome depends on
+the model's architecture (Gemma-3's sliding window, edits behind it, the torch oracle, ``auto``'s cell-by-cell
+check, compaction): those run on every model in the fast tier. Everything else runs once, on the first model,
+in the fast tier, and its other models' copies in the full tier.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +23,12 @@ import os
 # before torch loads anywhere: idle OpenMP threads must not spin against llama.cpp (kvagent.reference)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
-from kvagent.skills.fidelity import cosine  # noqa: F401  (the plain cosine; the tests import it from here)
-
-MODELS = os.environ.get("KVAGENT_TEST_MODELS", "smollm2-135m,gemma3-270m").split(",")
-"""The models the ``engine`` fixture runs on; ``$KVAGENT_TEST_MODELS`` narrows them (scripts/gpu_check.sh)."""
+from tests.models import MODELS
+from tests.tiers import in_full_tier
 
 # A GPU machine without the model packages (scripts/gpu_check.sh): registry names stand for local files,
 # e.g. KVAGENT_TEST_MODEL_FILES=smollm2-135m=/path/smollm2-4l.gguf (a layer-truncated copy, `kvagent gpu truncate`).
@@ -30,8 +44,17 @@ if os.environ.get("KVAGENT_TEST_MODEL_FILES"):
         REGISTRY[_name] = dataclasses.replace(REGISTRY[_name], locate=lambda f=Path(_file): f)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # tryfirst: the ``full`` marker must be on each case before ``-m`` deselects by it
+    for item in items:
+        if in_full_tier(item) and item.get_closest_marker("full") is None:
+            item.add_marker(pytest.mark.full)
+
+
 @pytest.fixture(scope="session", params=MODELS)
-def engine(request: pytest.FixtureRequest) -> Iterator["object"]:
+def engine(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """One real engine per test model for the whole run (loading is the slow part)."""
     from kvagent import Engine
 
     eng = Engine.load(request.param, n_ctx=2048, n_seq_max=6)
@@ -40,10 +63,10 @@ def engine(request: pytest.FixtureRequest) -> Iterator["object"]:
 
 
 @pytest.fixture(scope="session")
-def reference(engine: "object") -> "object":
+def reference(engine: Any) -> Any:
     """The torch reference model on the same GGUF as ``engine`` (skipped without the torch extra)."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
     from kvagent.reference.model import ReferenceModel
 
-    return ReferenceModel.load(engine.model.path)  # type: ignore[attr-defined]
+    return ReferenceModel.load(engine.model.path)

@@ -2,9 +2,9 @@
 commands adapters plug in through the ``kvagent.cli`` entry-point group.
 
 An adapter distribution declares ``[project.entry-points."kvagent.cli"]`` in its ``pyproject.toml``: the entry's
-name is where the command goes (``serve``: the root; ``bench.load``: ``load`` in the ``bench`` group), its value a
-command function or a ``typer.Typer`` app. The core never imports an adapter: where one is not installed, its
-command says what to install.
+name is where the command goes (``serve``: the root; ``GROUP.NAME``: ``NAME`` in one of :data:`GROUPS`), its value a
+command function or a ``typer.Typer`` app (``bench``: the benchmarks' whole group, from ``adapters/bench``). The
+core never imports an adapter: where one is not installed, its command says what to install.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvagent.cli.bench import app as bench_app
 from kvagent.cli.common import configure_logging, console
 from kvagent.cli.edits import app as edits_app
 from kvagent.cli.gpu import app as gpu_app
 from kvagent.cli.native import app as native_app
-from kvagent.cli.probe import app as probe_app
 from kvagent.cli.reference import app as reference_app
 from kvagent.cli.skills import app as skills_app
 from kvagent.errors import KVAgentError
@@ -129,23 +127,20 @@ def models() -> None:
 
 
 # command groups, in the order `kvagent --help` lists them (each module defines its own typer app)
-app.add_typer(bench_app, name="bench")
 app.add_typer(edits_app, name="edits")
 app.add_typer(native_app, name="native")
 app.add_typer(skills_app, name="skills")
 app.add_typer(reference_app, name="reference")
-app.add_typer(probe_app, name="probe")
 app.add_typer(gpu_app, name="gpu")
 
 ENTRY_POINTS = "kvagent.cli"
-GROUPS: dict[str, typer.Typer] = {"": app, "bench": bench_app}
+GROUPS: dict[str, typer.Typer] = {"": app}
 # what each adapter command needs installed, for the command that stands in while it is not
 ADAPTER_COMMANDS = {
     "serve": ("the server package", "pip install -e adapters/server"),
     "chat": ("the desktop agent (the LangChain adapter with its desktop extra)", "pip install -e 'adapters/langchain[desktop]'"),
-    "bench.load": ("the load benchmark (the server package)", "pip install -e adapters/server"),
-    "bench.peer": ("the llama-server comparison (the server package)", "pip install -e adapters/server"),
-    "bench.peer-decisions": ("the llama-server decision comparison (the server package)", "pip install -e adapters/server"),
+    "bench": ("the benchmarks (the kvagent-bench distribution)", "pip install -e adapters/bench"),
+    "probe": ("the causal probes (the kvagent-bench distribution)", "pip install -e adapters/bench"),
 }
 log = logging.getLogger(__name__)
 

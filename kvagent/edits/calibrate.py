@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable
 
-from kvagent.edits.selective_calibration import Calibration, save_calibration
 from kvagent.edits.patching import position_effects
 from kvagent.edits.selective import Selective
-from kvagent.edits.suite import TEMPLATES, Decider, answerable, make_cases, question_segments
+from kvagent.edits.selective_calibration import Calibration, save_calibration
+from kvagent.edits.suite import TEMPLATES, Decider, answerable, calibration_cases, make_cases, question_segments
 from kvagent.engine import Engine
 
 K_GRID = (0, 1, 2, 4, 8, 16, 32)
@@ -160,9 +160,8 @@ def calibrate_auto(
     from pathlib import Path
 
     from kvagent.edits.auto import build, load_table, shipped_table_path
-    from kvagent.edits.selective_calibration import load_calibration
     from kvagent.edits.erratum import RENDERINGS, Erratum
-    from kvagent.edits.heldout import split_cases
+    from kvagent.edits.selective_calibration import load_calibration
 
     path = Path(out) if out else shipped_table_path()
     with Engine.load(model, n_ctx=4096, n_seq_max=4) as engine:
@@ -182,7 +181,7 @@ def calibrate_auto(
             with engine.session(share_prefix=False, chat=fmt == "chat") as session:
                 for name, template in TEMPLATES.items():
                     decide = Decider.build(engine, template.answers)
-                    cases = [c for c in split_cases("calibration", name, 2 * n_cases, seed, fmt)
+                    cases = [c for c in calibration_cases(name, 2 * n_cases, seed, fmt)
                              if answerable(c, template, decide)][:n_cases]
                     for i, case in enumerate(cases):
                         truth = template.answer({**case.before, **case.changes})

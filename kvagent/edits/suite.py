@@ -1,7 +1,7 @@
 """The decision suite: prompt templates with mutable fields and a question, and the decision read on them.
 
 Shared by ``kvagent edits calibrate`` (:mod:`kvagent.edits.calibrate`), ``kvagent probe notes``
-(:mod:`kvagent.reference.probe_notes`) and the edit benchmark (``kvagent bench edit``).
+(:mod:`kvagent_bench.probe_notes`) and the edit benchmark (``kvagent bench edit``).
 
 Each case is a plain-text few-shot prompt (instructions and worked examples, the record's fields,
 downstream notes) whose answer depends on a field, an edit of one or more fields, and a question.
@@ -21,6 +21,7 @@ appended as; :func:`answerable` tells whether a case's answers before and after 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass
@@ -144,7 +145,7 @@ class Case:
     """One prompt (plain text, few-shot), its edit, and the question.
 
     ``split``: ``calibration`` (these templates: they may feed a calibration) or ``test`` (the held-out
-    templates of :mod:`kvagent.edits.heldout`); ``format``: ``plain`` (open the session with ``chat=False``)
+    templates of :mod:`kvagent_bench.edit_heldout`); ``format``: ``plain`` (open the session with ``chat=False``)
     or ``chat`` (``chat=True``); ``downstream``: ``short`` (a few sentences of notes) or ``long``."""
 
     template: str
@@ -179,6 +180,19 @@ def make_cases(template: Template, n: int, seed: int = 0, notes_sentences: int =
         errata = {f: template.fields[f].erratum for f in template.edited}
         cases.append(Case(template.name, segments, before, changes, f"Question: {template.question}\nAnswer:", errata))
     return cases
+
+
+FORMATS = ("plain", "chat")
+
+
+def calibration_cases(template: str, n: int, seed: int = 0, format: str = "plain") -> list[Case]:
+    """``n`` cases of one calibration template (:data:`TEMPLATES`) in ``format``: the suite's plain few-shot
+    text, opened with ``chat=True`` in the ``chat`` format (the case's ``format`` says which)."""
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}: use one of {', '.join(TEMPLATES)}")
+    if format not in FORMATS:
+        raise ValueError(f"unknown format {format!r}: use one of {', '.join(FORMATS)}")
+    return [dataclasses.replace(c, format=format) for c in make_cases(TEMPLATES[template], n, seed)]
 
 
 def long_notes(n_sentences: int, seed: int = 0) -> str:

@@ -23,7 +23,7 @@ COPY_DISCOUNT = 0.5  # contrast: the weight left to a word the future repeats (c
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     # "surprise": span-level (sentences cut from the token texts, ranked by their most surprising token and
-    # kept whole), because the 30-case suite showed it keeps facts token-level scores lose (BENCHMARKS.md);
+    # kept whole), because the 30-case suite showed it keeps facts token-level scores lose (docs/benchmarks/eviction.md);
     # every surprise pass is kept up to date between cycles (IncrementalSurprise).
     # "surprise-token": the paper's token-level fast pass; "surprise-scratch": the same, recomputed from scratch
     # each cycle (the reference the incremental pass is tested against). Other span variants: clauses, blocks of
@@ -53,12 +53,12 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "selfinfo": lambda: KeepSinks(Spans(SelfInformation(), "sentence", "max", name="selfinfo"), SINKS),
     "selfinfo-token": lambda: KeepSinks(SelfInformation(name="selfinfo-token"), SINKS),
     # a recent window (StreamingLLM) of HYBRID_SHARE of the room beside span-level surprise for the rest; the
-    # share was chosen on the held-out calibration split (BENCHMARKS.md, "Held-out eviction")
+    # share was chosen on the held-out calibration split (docs/benchmarks/eviction.md, "Held-out eviction")
     "hybrid": lambda: KeepSinks(Recent(Spans(IncrementalSurprise(), "sentence", "max", name="surprise"), HYBRID_SHARE,
                                        name="hybrid"), SINKS),
     # sentences ranked by how much their self-information stands out from their turn's, words the future repeats
     # discounted (a copy model's counter-causal surprise), beside the hybrid's recent window: the held-out
-    # calibration split's choice (BENCHMARKS.md, "Held-out eviction"); "contrast-only" without the window
+    # calibration split's choice (docs/benchmarks/eviction.md, "Held-out eviction"); "contrast-only" without the window
     "contrast": lambda: KeepSinks(Recent(TurnContrast(FutureCopy(SelfInformation(), COPY_DISCOUNT), reduce="mean",
                                                       baseline="mean"), HYBRID_SHARE, name="contrast"), SINKS),
     "contrast-only": lambda: KeepSinks(TurnContrast(FutureCopy(SelfInformation(), COPY_DISCOUNT), reduce="mean",

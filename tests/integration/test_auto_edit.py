@@ -34,6 +34,9 @@ NOTES = Segment.memory("Notes: The customer prefers email. The parcel goes to a 
 POLICY = Segment.policy("Answer each question from the record above it.")
 FIELD = "field-order_status"
 
+# the splice and its K-shift are checked per architecture (Gemma-3: sliding window): every model in the fast tier
+pytestmark = pytest.mark.arch
+
 # Largest per-layer relative error ||a - b|| / ||b|| of K and V over the compared positions, against a cold prefill
 # of the edited prompt. Not byte-identical: llama.cpp's CPU kernels quantize activations for the Q4 weights, and a
 # token's cells depend on the batch it was decoded in and on where its context's cells lie in the pool, not only

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kvagent import Engine, Segment
@@ -18,6 +19,7 @@ def test_help_lists_commands() -> None:
     assert "demo" in result.output and "models" in result.output
 
 
+@pytest.mark.e2e  # the whole demo, both sides: the full tier
 def test_demo_compares_each_turn_with_llama_cpp_python(tmp_path: Path) -> None:
     import jsonschema
 

@@ -10,10 +10,12 @@ from typer.testing import CliRunner
 
 from kvagent.cli import app
 
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
+
 
 @pytest.mark.slow
 def test_quick_concurrency_benchmark_writes_every_task(tmp_path: Path) -> None:
-    from kvagent.bench.concurrency import SESSION_COUNTS
+    from kvagent_bench.concurrency import SESSION_COUNTS
 
     out = tmp_path / "concurrency.json"
     result = CliRunner().invoke(app, ["bench", "concurrency", "--quick", "--json", str(out)],

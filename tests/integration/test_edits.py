@@ -10,7 +10,7 @@ from kvagent.edits import Erratum, Selective
 from kvagent.edits.suite import TEMPLATES, make_cases, question_segments
 from kvagent.errors import FieldValueError
 from kvagent.fields import FieldSpec
-from tests.conftest import cosine
+from kvagent.skills.fidelity import cosine
 
 # "shipped" and "cancelled" tokenize to as many tokens as "processing" on both models; "held at customs" is longer
 LONGER = "held at customs"
@@ -170,7 +170,7 @@ def test_refused_session_arguments_do_not_leak_sequences(engine: Engine) -> None
     assert engine.pool.free == free
 
 
-# --- no silent fallbacks (issue 14): the report names what ran and why, the log says it once ---------------
+# --- no silent fallbacks: the report names what ran and why, the log says it once ---------------
 def _long_notes(engine: Engine, n_tokens: int) -> Segment:
     from kvagent.data import load_prose
 
@@ -185,6 +185,7 @@ def _long_notes(engine: Engine, n_tokens: int) -> Segment:
     return Segment.memory(" ".join(text))
 
 
+@pytest.mark.arch  # Gemma-3: its sliding window downstream
 def test_a_splice_that_cannot_be_exact_reports_the_recompute_and_warns_once(
         engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
     """After eviction (both models) and, on Gemma-3, with more than its sliding window downstream, a
@@ -212,7 +213,7 @@ def test_a_splice_that_cannot_be_exact_reports_the_recompute_and_warns_once(
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
 
 
-# --- splices behind Gemma-3's sliding window (issue 14, item 4; native/patches/llama.cpp-swa-full.patch) ----
+# --- splices behind Gemma-3's sliding window (native/patches/llama.cpp-swa-full.patch) ----
 def past_the_window(engine: Engine) -> int:
     """Tokens of notes that put more than the sliding window (Gemma-3: 512) downstream of the field: 900. A model
     without one (SmolLM2) has no window to be behind: it runs the same edits over 200 tokens of notes, checked
@@ -220,6 +221,7 @@ def past_the_window(engine: Engine) -> int:
     return 900 if engine.backend.n_swa else 200
 
 
+@pytest.mark.arch
 def test_the_build_keeps_every_sliding_window_cell(engine: Engine) -> None:
     """kvagent's set-up builds llama.cpp with its patch: a full-size sliding-window cache keeps every cell, so
     splices behind the window are exact. An unpatched llama-cpp-python fails here (and edits behind the
@@ -230,6 +232,7 @@ def test_the_build_keeps_every_sliding_window_cell(engine: Engine) -> None:
     assert engine.backend.capabilities.swa_keeps_all
 
 
+@pytest.mark.arch
 @pytest.mark.parametrize("value", ["shipped", LONGER])  # same and different token length
 def test_a_splice_behind_the_sliding_window_is_exact_after_the_session_grew(engine: Engine, value: str) -> None:
     """More than the sliding window (Gemma-3: 512) downstream of the field: a field-only edit, then a turn
@@ -250,6 +253,7 @@ def test_a_splice_behind_the_sliding_window_is_exact_after_the_session_grew(engi
     assert cosine(got, cold(engine, segments)) >= 0.999
 
 
+@pytest.mark.arch
 def test_a_save_behind_the_sliding_window_restores_and_splices_exactly(engine: Engine) -> None:
     """A saved long session keeps its sliding-window cells behind the window: after a restore a full-refresh
     splice runs as a splice and equals a cold run (unpatched, the save keeps only the window and the edit
@@ -267,7 +271,7 @@ def test_a_save_behind_the_sliding_window_restores_and_splices_exactly(engine: E
     assert cosine(got, cold(engine, final)) >= 0.999
 
 
-# --- fields anywhere (issue 14): after few-shot turns, as a tool result; every strategy -----------------------
+# --- fields anywhere: after few-shot turns, as a tool result; every strategy -----------------------
 SHOTS = [Segment.user("Record: The order status is processing. What should I tell the customer?"),
          Segment.assistant("That the order is being prepared.")]
 
@@ -313,7 +317,7 @@ def test_a_field_after_turns_is_edited_by_every_strategy(engine: Engine, strateg
         assert np.isfinite(got).all()
 
 
-# --- combined edit (issue 14): the field rewritten in place and the erratum appended -----------------------
+# --- combined edit: the field rewritten in place and the erratum appended -----------------------
 @pytest.mark.parametrize("splice", ["field_only", "all"])
 def test_combined_rewrites_the_field_and_appends_the_erratum(engine: Engine, splice: str) -> None:
     """The prompt holds the new value in the field and in an erratum at the end; with a splice that refreshes
@@ -345,7 +349,7 @@ def test_combined_rewrites_the_field_and_appends_the_erratum(engine: Engine, spl
         assert cosine(got, cold(engine, segments)) >= 0.999
 
 
-# --- erratum renderings (issue 14): each one edits and decodes ------------------------------------------------
+# --- erratum renderings: each one edits and decodes ------------------------------------------------
 @pytest.mark.parametrize("rendering", ["system", "user", "record", "correction", "tagged"])
 def test_each_erratum_rendering_edits_and_decodes(engine: Engine, rendering: str) -> None:
     """On SmolLM2 (chat template, the field a later system message): the erratum is appended with its
@@ -370,7 +374,7 @@ def test_each_erratum_rendering_edits_and_decodes(engine: Engine, rendering: str
     assert cosine(got, cold(engine, segments, chat=True)) >= 0.999
 
 
-# --- auto (issue 14): the table's choice per format and situation, and the reason ------------------------------
+# --- auto: the table's choice per format and situation, and the reason ------------------------------
 def test_auto_picks_the_exact_splice_or_the_erratum_by_situation(engine: Engine, tmp_path: object) -> None:
     """With a table that says field_only where the splice can be exact and the ``correction`` erratum where it
     cannot: a short prompt is spliced, one whose downstream was evicted gets the erratum; ``splice_refusal``

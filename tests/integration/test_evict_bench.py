@@ -8,8 +8,7 @@ which cells hold the tokens, and a shared run's base sequence keeps the prefix's
 ones), so the exact comparison is with runs alone whose prefix cells are held the same way; against plain runs
 alone the answers and the window's cells must agree, and the surprise ranking nearly (measured at 400 tokens on
 SmolLM2: 121 of 123 kept positions shared in the last of 6 cycles, all earlier cycles identical; at 300 tokens
-all cycles identical on both models). 31 s for both models on 2 cores (it was slow-only at 400 tokens on SmolLM2:
-33 s).
+all cycles identical on both models). 31 s for both models on 2 cores.
 """
 
 from __future__ import annotations
@@ -18,10 +17,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvagent.bench import evict
-from kvagent.bench.evict_suite import RetentionCase, make_retention_cases
 from kvagent.engine import Engine
-from tests.conftest import MODELS
+from kvagent_bench import evict
+from kvagent_bench.evict_suite import RetentionCase, make_retention_cases
+from tests.models import MODELS
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 POLICIES = ("window", "surprise")
 BUDGET, CHUNK, TOKENS = 0.25, 64, 300
@@ -65,34 +66,3 @@ def test_shared_prefix_answers_like_a_plain_run_alone(engine: Engine, case: Rete
     overlap = [len(set(a) & set(b)) / len(a) for a, b in zip(got.kept, alone.kept, strict=True)]
     print(f"{policy}: kept positions shared with the run alone, per cycle: {[round(x, 3) for x in overlap]}")
     assert min(overlap) >= (1.0 if policy == "window" else SURPRISE_OVERLAP)
-
-
-# (tokens, the position the shifted copy is decoded from): `NAME/compact` renumbers kept cells by llama.cpp's K-shift,
-# and RoPE makes attention depend on relative positions only, so cells decoded at SHIFT.. and compacted to 0.. must
-# read as the same tokens decoded at 0.. (Gemma-3: both rope bases, the local layers' and the global ones')
-COMPACTED = [(300, 600), (120, 250)]
-
-
-@pytest.mark.parametrize(("n", "shift"), COMPACTED)
-def test_compacted_positions_read_like_the_same_tokens_decoded_there(engine: Engine, case: RetentionCase, n: int,
-                                                                     shift: int) -> None:
-    from kvagent.bench.evict_agent import compact_positions
-    from kvagent.skills.fidelity import logit_cosine
-
-    backend, pool = engine.backend, engine.pool
-    ids = [*backend.bos_ids, *backend.tokenize(case.prompt, special=False)][: n + 1]
-    assert len(ids) == n + 1
-    with pool.lock:
-        a, b = pool.take("at 0"), pool.take("shifted")
-        try:
-            backend.decode(ids[:n], range(n), [a] * n, [False] * n)
-            backend.decode(ids[:n], range(shift, shift + n), [b] * n, [False] * n)
-            assert compact_positions(backend, b, range(shift, shift + n)) == n
-            assert backend.seq_positions(b) == list(range(n))
-            want, got = (backend.decode([ids[n]], [n], [s], [True])[0] for s in (a, b))
-        finally:
-            pool.release(a)
-            pool.release(b)
-    print(f"n={n} shift={shift}: logit cosine {logit_cosine(got, want):.6f}, max |diff| {abs(got - want).max():.4f}")
-    assert int(got.argmax()) == int(want.argmax())
-    assert logit_cosine(got, want) >= 0.999

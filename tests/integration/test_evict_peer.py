@@ -1,6 +1,6 @@
-"""The kvpress peer of the held-out eviction suite (``kvagent.bench.evict_peer``) on the real GGUF weights.
+"""The kvpress peer of the held-out eviction suite (``kvagent_bench.evict_peer``) on the real GGUF weights.
 
-Skipped without kvpress (``pip install 'kvagent[kvpress]'``); slow: transformers dequantizes the GGUF to float32.
+Skipped without kvpress (``pip install -e 'adapters/bench[kvpress]'``); slow: transformers dequantizes the GGUF to float32.
 What is checked: the peer's greedy answer after its cached context equals a full recompute of context and question
 (``generate`` on the whole sequence, no cache reused), answering leaves the cache as it was, and every press keeps
 the share of positions it was asked to keep, on the layers it compresses.
@@ -15,11 +15,11 @@ import pytest
 
 pytest.importorskip("kvpress")
 
-from kvagent.bench import evict_agent, evict_peer  # noqa: E402
-from kvagent.bench.evict_heldout import build_case  # noqa: E402
 from kvagent.engine import Engine  # noqa: E402
+from kvagent_bench import evict_agent, evict_peer  # noqa: E402
+from kvagent_bench.evict_heldout import build_case  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.bench, pytest.mark.slow]
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 

@@ -22,13 +22,22 @@ from kvagent.engine import Engine
 from kvagent.errors import ContextOverflowError, EvictionError
 from kvagent.eviction import _MARGIN, Eviction, compact_positions, position_runs
 from kvagent.policies import (
-    POLICIES, CacheView, EvictionPolicy, FastSurprise, FullSurprise, IncrementalSurprise, KeepSinks, get_policy,
+    POLICIES,
+    CacheView,
+    EvictionPolicy,
+    FastSurprise,
+    FullSurprise,
+    IncrementalSurprise,
+    KeepSinks,
+    get_policy,
     select_keep,
 )
 from kvagent.policies.information import SelfInformation
 from kvagent.segments import Segment
 from kvagent.session import Generation, Session
-from tests.conftest import MODELS, cosine
+from kvagent.skills.fidelity import cosine
+from tests.models import MODELS
+from tests.tiers import full_tier
 
 N_CTX = 1024
 BUDGET, CHUNK = 256, 64
@@ -307,37 +316,37 @@ LONG = 1150  # prose tokens: the prompt is longer than the context (N_CTX)
 CASES = [
     pytest.param(Case(S, "window", LONG, replay=True)),
     pytest.param(Case(S, "random", 700)),
-    pytest.param(Case(S, "h2o", 700)),
-    pytest.param(Case(S, "tova", 700)),
-    pytest.param(Case(S, "importance", 700)),
+    pytest.param(Case(S, "h2o", 700), marks=pytest.mark.full),
+    pytest.param(Case(S, "tova", 700), marks=pytest.mark.full),
+    pytest.param(Case(S, "importance", 700), marks=pytest.mark.full),
     pytest.param(Case(S, "surprise", 700, replay=True)),
-    pytest.param(Case(S, "surprise-token", 700)),
-    # the composed and reconstruction policies (issue 23): the hybrid (window + span-level surprise) replayed; the
+    pytest.param(Case(S, "surprise-token", 700), marks=pytest.mark.full),
+    # the composed and reconstruction policies: the hybrid (window + span-level surprise) replayed; the
     # reconstruction probe decodes in a scratch sequence, which moves where later cells land in the pool, so its
     # session is not replayed bit for bit
-    pytest.param(Case(S, "hybrid", 700, replay=True)),
-    pytest.param(Case(S, "kvzip", 700)),
+    pytest.param(Case(S, "hybrid", 700, replay=True), marks=pytest.mark.full),
+    pytest.param(Case(S, "kvzip", 700), marks=pytest.mark.full),
     # self-information (Selective Context): each cell scored once, its table pruned with the cells
-    pytest.param(Case(S, "selfinfo", 700, replay=True)),
+    pytest.param(Case(S, "selfinfo", 700, replay=True), marks=pytest.mark.full),
     # turn contrast over self-information with the future-copy discount: its turn table follows the cells
     pytest.param(Case(S, "contrast", 700, replay=True)),
     pytest.param(Case(G, "window", 700, replay=True)),
     pytest.param(Case(G, "random", 700)),
     # scattered evictions on Gemma-3 replayed (its sliding-window cache, see pristine()): 400 prompt tokens, 2
     # cycles, 6 s (the 700-token case, slow: 12 s)
-    pytest.param(Case(G, "surprise", 330, replay=True)),
-    pytest.param(Case(G, "contrast", 330, replay=True)),
+    pytest.param(Case(G, "surprise", 330, replay=True), marks=pytest.mark.arch),
+    pytest.param(Case(G, "contrast", 330, replay=True), marks=pytest.mark.arch),
     # budget + chunk + margin == n_ctx and the chunk does not divide budget + chunk: a chunk must stop where
-    # the cycle falls due (before the fix in Session._decode_run the 5th chunk of 56 went to 280 cells and
-    # llama_decode found no free cell in the pool of 256)
+    # the cycle falls due (otherwise the 5th chunk of 56 goes to 280 cells and llama_decode finds no free cell in
+    # the pool of 256)
     pytest.param(Case(S, "window", 400, budget=256 - 56 - _MARGIN, chunk=56, n_ctx=256)),
     pytest.param(Case(G, "window", 400, budget=256 - 56 - _MARGIN, chunk=56, n_ctx=256)),
     # Eviction(compact=True): the kept cells renumbered 0..k-1 after each cycle (K-shift); the window decodes in the
     # shared batch (generation's positions are cells), contrast through the evictor; Gemma-3's sliding window
     pytest.param(Case(S, "window", 700, replay=True, compact=True)),
     pytest.param(Case(S, "contrast", 700, replay=True, compact=True)),
-    pytest.param(Case(G, "window", 700, replay=True, compact=True)),
-    pytest.param(Case(G, "contrast", 330, replay=True, compact=True)),
+    pytest.param(Case(G, "window", 700, replay=True, compact=True), marks=pytest.mark.arch),
+    pytest.param(Case(G, "contrast", 330, replay=True, compact=True), marks=pytest.mark.arch),
     pytest.param(Case(G, "window", LONG, replay=True), marks=pytest.mark.slow),
     pytest.param(Case(S, "random", 700, replay=True), marks=pytest.mark.slow),
     pytest.param(Case(G, "h2o", 700), marks=pytest.mark.slow),
@@ -364,14 +373,23 @@ def run(engines: dict[str, Engine], case: Case) -> Run:
     return _RUNS[case]
 
 
-def test_the_cases_cover_the_policies_on_smollm2_and_the_fast_ones_on_both() -> None:
-    default = {(c.model, c.policy) for p in CASES if not p.marks for c in p.values}
-    assert {(m, pol) for m in MODELS for pol in ("window", "random")} <= default
-    assert {(S, pol) for pol in ("window", "random", "h2o", "tova", "importance", "surprise")} <= default
+def in_fast_tier(param: object) -> bool:
+    """Whether a case of CASES runs in the fast tier (tests/tiers.py)."""
+    return not full_tier((mark.name for mark in param.marks), {param.values[0].model})  # type: ignore[attr-defined]
+
+
+def test_the_cases_cover_the_policies_and_the_fast_tier_replays_each_model() -> None:
+    assert {(S, pol) for pol in ("window", "random", "h2o", "tova", "importance", "surprise", "contrast")} <= {
+        (c.model, c.policy) for p in CASES for c in p.values}
     assert {c.policy for p in CASES for c in p.values} <= set(POLICIES)
-    # a scattered eviction (surprise) replayed on both models in the default run
-    assert {(m, "surprise") for m in MODELS} <= {(c.model, c.policy) for p in CASES if not p.marks for c in p.values
-                                                  if c.replay}
+    fast = [c for p in CASES if in_fast_tier(p) for c in p.values]
+    # in the fast tier, on every model: a scattered eviction (surprise) and the default policy (contrast) replayed,
+    # and a compacted session replayed (Gemma-3: its sliding-window cache under both)
+    replayed = {(c.model, c.policy) for c in fast if c.replay}
+    assert {(m, pol) for m in MODELS for pol in ("surprise", "contrast")} <= replayed
+    assert set(MODELS) <= {c.model for c in fast if c.replay and c.compact}
+    # and the window past the context, on the first model
+    assert any(c.model == MODELS[0] and c.policy == "window" and c.n_tokens > c.n_ctx for c in fast)
 
 
 # --- the checks, one per property ----------------------------------------------------------------------
@@ -641,7 +659,7 @@ def test_the_fast_counter_causal_pass_ranks_cells_as_self_information_does(engin
     assert rho > 0.98
 
 
-# --- a random code in prose must survive surprise (issue 13) -------------------------------------------
+# --- a random code in prose must survive surprise -------------------------------------------
 CODE_SENTENCE = "The access code for the vault is 4821."
 CODE_PROSE = 1000  # prose tokens around it: 9-13 cycles of 64 at budgets of 50% / 25%
 
@@ -688,8 +706,8 @@ def code_run(engine: Engine, policy: str, fraction: float) -> tuple[list[int], s
 @pytest.mark.parametrize("fraction", [0.5, 0.25])
 @pytest.mark.parametrize("model", MODELS)
 def test_surprise_keeps_the_tokens_of_a_code_in_prose(engines: dict[str, Engine], model: str, fraction: float) -> None:
-    """Before the fix every variant lost digits: token-level surprise kept 2/4 at 50% (both models) and
-    0/4 (SmolLM2) or 1/4 (Gemma-3) at 25%; "surprise", now span-level, keeps the sentence whole."""
+    """Token-level scores lose digits of a code (measured: 2/4 kept at 50% on both models, 0/4 (SmolLM2) or
+    1/4 (Gemma-3) at 25%); "surprise" scores spans, so the sentence stays whole."""
     digits, cached, _ = code_run(engines[model, 2048], "surprise", fraction)
     assert [p for p in digits if p not in cached] == []
 
@@ -697,10 +715,10 @@ def test_surprise_keeps_the_tokens_of_a_code_in_prose(engines: dict[str, Engine]
 @pytest.mark.parametrize("model", MODELS)
 def test_token_surprise_scores_a_cell_whose_predecessor_was_evicted_from_its_predecessors_state(
         engines: dict[str, Engine], model: str) -> None:
-    """The query of x_p is the state at p - 1. Before the fix the pass used the previous *cached* cell,
-    whose state predicts another token: in the last cycle at 50%, cells whose predecessor was evicted had a
-    median surprise 2.3x (SmolLM2 10.0 vs 4.4) and 2.3x (Gemma-3 9.7 vs 4.2) that of the others, so they
-    crowded out contiguous text; measured after: 1.10 (4.31 vs 3.92) and 1.00 (3.88 vs 3.87)."""
+    """The query of x_p is the state at p - 1, not the previous *cached* cell's state, which predicts another
+    token: scored from that one, in the last cycle at 50%, cells whose predecessor was evicted had a median
+    surprise 2.3x (SmolLM2 10.0 vs 4.4) and 2.3x (Gemma-3 9.7 vs 4.2) that of the others, so they crowded out
+    contiguous text; from the right state: 1.10 (4.31 vs 3.92) and 1.00 (3.88 vs 3.87)."""
     _, _, rec = code_run(engines[model, 2048], "surprise-token", 0.5)
     view, scores = rec.views[-1], rec.scores[-1]
     follows = np.r_[False, np.diff(view.positions) == 1]
@@ -712,15 +730,28 @@ def test_token_surprise_scores_a_cell_whose_predecessor_was_evicted_from_its_pre
     assert gap <= 1.4 * run
 
 
-# --- save and restore after eviction (issue 13, issue 23 "nothing lost") -------------------------------
+# --- save and restore after eviction -------------------------------
 # The blob carries the evictor's state (the hidden rows it recorded, the policy's running state), so a session
 # restored from it evicts at its next cycles as the saved one does. The restored cells lie elsewhere in llama.cpp's
 # pool, which moves its numbers a little (the stateless window: logits cosine 0.9963 on SmolLM2 after the extend), so
 # the new tokens' hidden states differ in the last bits and a near-tie can rank the other way: measured 0-2 of
-# 128-192 cells chosen otherwise. The control restores the same blob with the state stripped (what a blob held
-# before the state travelled): the restored cells then have no hidden states and the extend's cycles choose
+# 128-192 cells chosen otherwise. The control restores the same blob with the evictor's state stripped: the
+# restored cells then have no hidden states and the extend's cycles choose
 # other cells (and the hybrid on SmolLM2 measured logits cosine 0.63).
 RESTORE_AGREEMENT = 0.97
+
+
+def scenario_run(engines: dict[str, Engine], model: str, policy: str, compact: bool) -> Run:
+    """The module's scenario of ``policy`` on ``model`` over 700 prose tokens at the default budget, chunk and
+    context: the run a case above already made (replayed or not: the session's logits are the same), else made now
+    and kept."""
+    for case, run in _RUNS.items():
+        if (case.model, case.policy, case.n_tokens, case.compact, case.budget, case.chunk, case.n_ctx) == (
+                model, policy, 700, compact, BUDGET, CHUNK, N_CTX):
+            return run
+    case = Case(model, policy, 700, compact=compact)
+    _RUNS[case] = scenario(engines[model], case)
+    return _RUNS[case]
 
 
 def _extend_restored(engine: Engine, blob: bytes, segs: list[Segment], eviction: Eviction,
@@ -736,9 +767,11 @@ def _extend_restored(engine: Engine, blob: bytes, segs: list[Segment], eviction:
 
 
 @pytest.mark.parametrize(("model", "policy", "compact"), [
-    (S, "window", False), (G, "window", False), (S, "hybrid", False), (G, "hybrid", False), (S, "h2o", False),
-    (S, "selfinfo", False), (S, "contrast", False),
-    (S, "contrast", True), (G, "window", True),  # Eviction(compact=True): the blob's cells sit at compacted positions
+    (S, "window", False), (G, "window", False), (S, "hybrid", False), (G, "hybrid", False),
+    pytest.param(S, "h2o", False, marks=pytest.mark.full), pytest.param(S, "selfinfo", False, marks=pytest.mark.full),
+    pytest.param(S, "contrast", False, marks=pytest.mark.full),
+    # Eviction(compact=True), the default: the blob's cells sit at compacted positions
+    (S, "contrast", True), pytest.param(G, "window", True, marks=pytest.mark.arch),
     pytest.param(G, "contrast", False, marks=pytest.mark.slow),
     pytest.param(S, "kvzip", False, marks=pytest.mark.slow),  # 22 s: the replays
     pytest.param(G, "surprise-token", False, marks=pytest.mark.slow)])
@@ -759,14 +792,11 @@ def test_a_session_that_evicted_is_saved_and_restored(engines: dict[str, Engine]
         saved_logits = a.logits()
         a.extend(more)
         want, want_evicted = a.logits(), a.evicted_positions
-    # the question right after the restore, against the same session asked it unsaved (a replay from the pristine
-    # pool lands in the same cells), as this test checked before the state travelled
+    # the question right after the restore, against the same session asked it unsaved: the module's scenario of
+    # this model and policy is exactly that (prefill, then the question, from the pristine pool)
     question = Segment.user(QUESTION)
+    want_asked = scenario_run(engines, model, policy, compact).logits
     pristine(engine)
-    with engine.session(segs, eviction=eviction) as a2:
-        a2.prefill()
-        a2.extend(question)
-        want_asked = a2.logits()
     with engine.session(segs, eviction=eviction) as b:
         b.restore(blob, segs)
         b.extend(question)
@@ -812,7 +842,7 @@ def test_a_blob_restored_under_another_policy_keeps_its_cells_and_drops_the_stat
         assert b.evicted_positions == evicted and np.array_equal(b.logits(), logits)
 
 
-# --- the incremental surprise pass equals the from-scratch one (issue 13) --------------------------------
+# --- the incremental surprise pass equals the from-scratch one --------------------------------
 class AgainstScratch(EvictionPolicy):
     """Scores every cycle with the default incremental policy (which drives the session), the exact one
     (``drift=0``) and, on the same view, the from-scratch fast pass; records per drift the largest score
@@ -861,16 +891,16 @@ INCREMENTAL_PROSE = 800  # 9 cycles of 64 at a quarter of the prompt
 #     Gemma-3 0.379-0.767 / 0.081-0.180 / 0.9952 (this test: 0.509 / 0.081 / 0.9952)
 #   Gemma-3's largest errors are single rows (its 262k-entry head moves more per unit of state); the p99 is 2-7x
 #   under the max on both.
-# Those 7 sessions ran up to 128 refreshed rows per cycle. On Gemma-3 the default is now at most 64 (its new rows
-# at chunk 64: the decode-overhead target); measured on this test's session only (2026-12-02): Gemma-3 (64 rows)
+# Those 7 sessions ran up to 128 refreshed rows per cycle. Gemma-3's default refreshes at most 64 (its new rows at
+# chunk 64: the decode-overhead target); measured on this test's session only (2026-12-02): Gemma-3 (64 rows)
 # 0.613 / 0.307 / 0.9905; with the opt-in bf16 head too 0.647 / 0.287 / 0.9905; SmolLM2 with bf16 0.135 / 0.090 /
-# 0.9905 (its float32 default is unchanged: 0.124 / 0.051 / 0.9953). With the "mixed" head, the default where the
-# CPU has native bf16 (2026-12-02): Gemma-3 0.604 / 0.307 / 0.9905, SmolLM2 0.115 / 0.051 / 0.9953.
-# Bounds: 1.5x the worst measured (1 - keep: 1.5x the worst disagreement), per model; SmolLM2's are the 7-session
-# sweep's (its default is unchanged), Gemma-3's were widened for the 64-row cap (its measured price). They
-# hold for the shipped files only: on the 4-layer truncated SmolLM2 of the GPU check the default's largest error
-# was 1.14 nats (BENCHMARKS.md, GPU run 2): a truncated model's last-layer states are not a real model's, so
-# there the drift=0 exactness is checked and the default's bounds are not.
+# 0.9905 (float32, its default: 0.124 / 0.051 / 0.9953). With the "mixed" head, the default where the CPU has
+# native bf16 (2026-12-02): Gemma-3 0.604 / 0.307 / 0.9905, SmolLM2 0.115 / 0.051 / 0.9953.
+# Bounds: 1.5x the worst measured (1 - keep: 1.5x the worst disagreement), per model; SmolLM2's from the 7-session
+# sweep, Gemma-3's from the 64-row cap's measured price. They hold for the shipped files only: on the 4-layer
+# truncated SmolLM2 of the GPU check the default's largest error was 1.14 nats (docs/benchmarks/gpu.md, run 2): a
+# truncated model's last-layer states are not a real model's, so there the drift=0 exactness is checked and the
+# default's bounds are not.
 EXACT_BOUND = 2e-5
 DRIFT_BOUNDS = {  # model: (largest error, 99th percentile, least keep-set agreement)
     S: (0.26, 0.11, 0.987),
@@ -920,7 +950,7 @@ def test_incremental_surprise_equals_the_from_scratch_pass(engines: dict[str, En
     assert max(diffs) <= largest and max(p99) <= percentile and min(keep) >= agreement
 
 
-# --- segment eviction priority (issue 13) --------------------------------------------------------------
+# --- segment eviction priority --------------------------------------------------------------
 def test_a_segment_with_a_higher_priority_outlives_later_ones(engines: dict[str, Engine]) -> None:
     """The window keeps the newest cells; an earlier user turn given priority 1 is kept whole instead, and the
     later (priority 0) turn's cells are the ones evicted. Without the priority the early turn goes first."""
@@ -974,6 +1004,7 @@ def test_incremental_surprise_follows_cells_that_were_rewritten_or_moved(engines
 
 
 # --- compaction next to a session that shares the cells (Eviction(compact=True)) ------------------------------------
+@pytest.mark.arch
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("own_copy", [True, False])
 def test_compacting_never_moves_the_cells_of_a_session_that_shares_them(engines: dict[str, Engine], model: str,
@@ -1007,3 +1038,37 @@ def test_compacting_never_moves_the_cells_of_a_session_that_shares_them(engines:
         assert not shared_after
     else:
         assert after != before
+
+
+# --- compacted positions read as the same tokens decoded there ------------------------------------------------------
+# (tokens, the position the shifted copy is decoded from): compaction renumbers kept cells by llama.cpp's K-shift, and
+# RoPE makes attention depend on relative positions only, so cells decoded at SHIFT.. and compacted to 0.. must read
+# as the same tokens decoded at 0.. (Gemma-3: both rope bases, the local layers' and the global ones')
+COMPACTED = [(300, 600), (120, 250)]
+
+
+@pytest.mark.arch
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(("n", "shift"), COMPACTED)
+def test_compacted_positions_read_like_the_same_tokens_decoded_there(engines: dict[str, Engine], model: str, n: int,
+                                                                     shift: int) -> None:
+    from kvagent.skills.fidelity import logit_cosine
+
+    engine = engines[model]
+    backend, pool = engine.backend, engine.pool
+    ids = [*backend.bos_ids, *backend.tokenize(prose(engine, n), special=False)][: n + 1]
+    assert len(ids) == n + 1
+    with pool.lock:
+        a, b = pool.take("at 0"), pool.take("shifted")
+        try:
+            backend.decode(ids[:n], range(n), [a] * n, [False] * n)
+            backend.decode(ids[:n], range(shift, shift + n), [b] * n, [False] * n)
+            assert compact_positions(backend, b, range(shift, shift + n)) == n
+            assert backend.seq_positions(b) == list(range(n))
+            want, got = (backend.decode([ids[n]], [n], [s], [True])[0] for s in (a, b))
+        finally:
+            pool.release(a)
+            pool.release(b)
+    print(f"n={n} shift={shift}: logit cosine {logit_cosine(got, want):.6f}, max |diff| {abs(got - want).max():.4f}")
+    assert int(got.argmax()) == int(want.argmax())
+    assert logit_cosine(got, want) >= 0.999

@@ -16,7 +16,7 @@ from kvagent.cli import app
 from kvagent.errors import KVAgentError
 from kvagent.gguf_tools import truncate_gguf
 from kvagent.models import resolve_model
-from tests.conftest import cosine
+from kvagent.skills.fidelity import cosine
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import pytest
 
 from kvagent import Engine, Segment
 from kvagent.memory import Memory, MemoryBlock
+from kvagent.skills.fidelity import cosine
 from kvagent.tools import ToolCall
-from tests.conftest import cosine
 
 POLICY = Segment.policy("You are a personal assistant. Use what you remember about the user.")
 HUMAN = MemoryBlock("human", "Name: Ada Lovelace\nCity: London\nPrefers tea.", "facts about the user", limit=400)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvagent.cli import app
 
-pytestmark = pytest.mark.slow  # about 2 minutes on 2 shared cores
+pytestmark = [pytest.mark.bench, pytest.mark.slow]  # about 2 minutes on 2 shared cores
 
 
 def test_quick_memory_bench_writes_rows_whose_edit_costs_follow_from_where_the_block_stands(tmp_path: Path) -> None:

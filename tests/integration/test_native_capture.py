@@ -10,7 +10,8 @@ import pytest
 
 from kvagent.engine import Engine, EngineSettings
 from kvagent.native import NativeCapture, PythonCapture
-from tests.conftest import MODELS, cosine
+from kvagent.skills.fidelity import cosine
+from tests.models import MODELS
 
 KINDS = ["native", "python"]
 TEXT = "The quick brown fox jumps over the lazy dog while the agent reads its notes. " * 40
@@ -90,6 +91,7 @@ def test_layer_output_has_a_row_per_token(engines: dict, model: str, kind: str, 
         (["l_out-0", "Kcur-{mid}"], 3, 40, 1),  # one-token decode over a cache
     ],
 )
+@pytest.mark.arch  # the graph's node names and layouts are the architecture's
 @pytest.mark.parametrize("model", MODELS)
 def test_native_and_python_capture_the_same_numbers(
     engines: dict, model: str, names: list[str], ndim: int | None, start: int, n_tokens: int
@@ -131,6 +133,7 @@ def test_disabled_capture_captures_nothing(engines: dict, model: str, kind: str)
     assert set(cap.take()) == {engine.backend.layer_output_name(-2), "result_norm"}
 
 
+@pytest.mark.arch
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize(("start", "n_tokens"), [(0, 64), (64, 1)])

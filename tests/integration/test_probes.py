@@ -1,5 +1,5 @@
 """Causal probes of "Models Take Notes at Prefill" (arXiv:2606.17107) on the torch reference
-(kvagent.reference.probes), both models.
+(kvagent_bench.probes), both models.
 
 Small real cases: edit-suite prompts (about 250 tokens, 40-55 downstream positions) rendered as an
 edit session renders them. Each probe costs one question-length forward (~0.1 s on one core).
@@ -13,11 +13,13 @@ from typing import Iterator
 
 import pytest
 
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
 from kvagent.errors import KVAgentError, ProbeInputError  # noqa: E402
-from kvagent.reference.probes import MODES, NotesProbe, ProbeCase  # noqa: E402
+from kvagent_bench.probes import MODES, NotesProbe, ProbeCase  # noqa: E402
 
 _PROBES: dict[tuple[str, str], NotesProbe] = {}
 
@@ -34,7 +36,7 @@ def one_thread() -> Iterator[None]:
 def notes_probe(engine, reference, template: str) -> NotesProbe:
     """The first edit-suite case of ``template`` with an equal-length new value (memoised per model)."""
     from kvagent.edits.suite import TEMPLATES, Decider, make_cases
-    from kvagent.reference.probe_notes import SEED, split_case
+    from kvagent_bench.probe_notes import SEED, split_case
 
     key = (engine.model.name, template)
     if key not in _PROBES:

@@ -13,9 +13,9 @@ import numpy as np
 
 from kvagent import Engine, Segment
 from kvagent.skills import load_skills
+from kvagent.skills.fidelity import cosine
 from kvagent.skills.library import MAX_RECOMPUTE
 from kvagent.skills.store import SkillStore
-from tests.conftest import cosine
 
 SHIPPED = {s.name: s for s in load_skills([Path(__file__).resolve().parents[2] / "skills"])}
 POLICY = Segment.policy("You are the support agent of Northwind Outdoor. Be brief and exact.")

@@ -17,9 +17,9 @@ import pytest
 from kvagent import Engine, KVAgentError, Segment
 from kvagent.aio import AsyncEngine
 from kvagent.generation import Decoder, generation_work
+from kvagent.skills.fidelity import cosine
 from kvagent.skills.spec import SkillSpec
 from kvagent.skills.store import SkillStore
-from tests.conftest import cosine
 from tests.integration.test_skills import FIDELITY
 
 
@@ -132,12 +132,14 @@ def test_concurrent_sessions_never_see_each_other(wide: Engine) -> None:
         assert eng.pool.free == 18
 
 
-def test_cancelled_streams_roll_back_and_leak_nothing(engine: Engine) -> None:
+# 20 cancellations in the fast tier; 200 as a soak in the full tier
+@pytest.mark.parametrize("rounds", [20, pytest.param(200, marks=pytest.mark.e2e)])
+def test_cancelled_streams_roll_back_and_leak_nothing(engine: Engine, rounds: int) -> None:
     free = engine.pool.free
     with engine.session([Segment.policy("You are a counting machine.")]) as s:
         s.prefill()
         rest = s.tokens
-        for i in range(200):
+        for i in range(rounds):
             stream = s.stream(16, user=f"Count from {i} to {i + 40}.")
             next(stream)
             stream.close()

@@ -14,7 +14,7 @@ from kvagent import (
     SessionClosedError,
 )
 from kvagent.demo import POLICY
-from tests.conftest import cosine
+from kvagent.skills.fidelity import cosine
 
 FIELDS = [Segment.field("customer", "Alice Moreau"), Segment.field("order_status", "processing")]
 

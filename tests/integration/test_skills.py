@@ -11,10 +11,9 @@ import pytest
 from kvagent import Engine, Segment, Session
 from kvagent.errors import SkillStoreError
 from kvagent.skills import FidelityGuard, SkillSpec, load_skills
-from kvagent.skills.fidelity import logit_cosine
+from kvagent.skills.fidelity import cosine, logit_cosine
 from kvagent.skills.library import SkillLibrary
 from kvagent.skills.store import SkillStore
-from tests.conftest import cosine
 
 SHIPPED = {s.name: s for s in load_skills([Path(__file__).resolve().parents[2] / "skills"])}
 POLICY = Segment.policy("You are the support agent of Northwind Outdoor. Be brief.")
@@ -224,6 +223,7 @@ def test_transplant_without_a_free_sequence_changes_nothing(library: SkillLibrar
             assert s.tokens == tokens and len(s.segments) == 1
 
 
+@pytest.mark.arch
 @pytest.mark.parametrize(("start", "delta"), [(5, 211), (40, -7)], ids=["transplant", "splice-back"])
 def test_keys_rotated_in_the_bytes_equal_llama_cpps_k_shift(engine: Engine, start: int, delta: int) -> None:
     """A transplant (or a splice after a field whose length changed) moves saved cells by re-rotating their keys in
@@ -265,6 +265,7 @@ def _keys(data: bytes, layout) -> list[np.ndarray]:
     return [b.keys(data, i).astype(np.float32) for b in blocks for i in range(len(b.layers))]
 
 
+@pytest.mark.arch  # compaction
 def test_a_skill_transplanted_after_a_compacting_cycle_reads_like_its_cold_decode(engine: Engine,
                                                                                    compiled: SkillLibrary) -> None:
     """A session that evicted with ``Eviction(compact=True)`` holds its cells below their positions: the skill's

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvagent.cli import app
 
-pytestmark = pytest.mark.slow  # about 70 s on 2 shared cores
+pytestmark = [pytest.mark.bench, pytest.mark.slow]  # about 70 s on 2 shared cores
 
 
 def test_quick_tools_bench_writes_rows_the_grammar_and_the_baselines_explain(tmp_path: Path) -> None:

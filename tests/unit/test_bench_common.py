@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from kvagent.bench.common import bootstrap_perplexity_interval, mcnemar_exact, wilson_interval
+from kvagent_bench.common import bootstrap_perplexity_interval, mcnemar_exact, wilson_interval
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 # (successes, n, low, high): 95% Wilson score intervals. The first three: the closed form at 0/n, p = 1/2 and
 # n/n; the others are the published figures of R. G. Newcombe, "Two-sided confidence intervals for the single
@@ -86,7 +88,7 @@ def test_bootstrap_without_tokens_is_nan_and_bad_arguments_are_refused() -> None
 
 # --- intervals over contexts (the held-out eviction suite) ------------------------------------------------
 def test_cluster_bootstrap_interval_brackets_the_share_and_is_degenerate_when_every_context_agrees() -> None:
-    from kvagent.bench.common import cluster_bootstrap_interval
+    from kvagent_bench.common import cluster_bootstrap_interval
 
     groups = [[True, True, False], [False, False, False], [True, True, True], [True, False, False]]
     low, high = cluster_bootstrap_interval(groups)
@@ -96,7 +98,7 @@ def test_cluster_bootstrap_interval_brackets_the_share_and_is_degenerate_when_ev
 
 
 def test_paired_ratio_interval_resamples_contexts_with_their_reference() -> None:
-    from kvagent.bench.common import paired_ratio_interval
+    from kvagent_bench.common import paired_ratio_interval
 
     same = [([True, False], [True, False]), ([True, True], [True, True]), ([False], [False])]
     assert paired_ratio_interval(same) == (1.0, 1.0)  # a policy that answers like the reference in every context

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvagent.bench.compose import PROMPT_SKILLS, prompt_cases
+import pytest
+
 from kvagent.segments import SegmentKind
+from kvagent_bench.compose import PROMPT_SKILLS, prompt_cases
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def test_the_prompts_cover_every_skill_first_and_every_lead() -> None:

@@ -7,8 +7,10 @@ import math
 
 import pytest
 
-from kvagent.bench import concurrency as cb
-from kvagent.bench.concurrency import Timed
+from kvagent_bench import concurrency as cb
+from kvagent_bench.concurrency import Timed
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def test_timed_first_end_and_decode_steps() -> None:

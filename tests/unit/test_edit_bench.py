@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from kvagent.bench.edit import STRATEGIES, CaseResult, _strategy, summarise
+import pytest
+
 from kvagent.edits import Combined, Erratum
-from kvagent.edits.heldout import make_heldout_cases
 from kvagent.edits.suite import TEMPLATES, make_cases
+from kvagent_bench.edit import STRATEGIES, CaseResult, _strategy, summarise
+from kvagent_bench.edit_heldout import make_heldout_cases
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def result(before: str, oracle: str, auto: str, ran: str) -> CaseResult:
@@ -36,10 +40,8 @@ def test_erratum_templates_apply_on_the_calibration_split_only() -> None:
 
 
 def test_the_calibration_split_has_no_long_downstream_and_bad_options_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import pytest
-
-    from kvagent.bench.edit import run
-    from kvagent.edits.heldout import split_cases
+    from kvagent_bench.edit import run
+    from kvagent_bench.edit_heldout import split_cases
 
     assert {c.downstream for c in split_cases("test", "tool", 2, downstream="long")} == {"long"}
     with pytest.raises(ValueError, match="short-downstream cases only"):

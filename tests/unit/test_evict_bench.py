@@ -13,14 +13,22 @@ import numpy as np
 import pytest
 
 from kvagent.backends.fake import FakeBackend
-from kvagent.bench import evict
-from kvagent.bench.evict_agent import (COMPACT, bench_policy_names, calibration_variants, compact_positions,
-                                       make_policy, split_compact)
-from kvagent.bench.evict_report import row
-from kvagent.bench.evict_stream import prefix_length
-from kvagent.bench.evict_suite import make_retention_cases
-from kvagent.bench.evict_timing import cache_view
 from kvagent.engine import Engine, EngineSettings
+from kvagent_bench import evict
+from kvagent_bench.evict_agent import (
+    COMPACT,
+    bench_policy_names,
+    calibration_variants,
+    compact_positions,
+    make_policy,
+    split_compact,
+)
+from kvagent_bench.evict_report import row
+from kvagent_bench.evict_stream import prefix_length
+from kvagent_bench.evict_suite import make_retention_cases
+from kvagent_bench.evict_timing import cache_view
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 # (budget, chunk, prompt tokens, tokens decoded before the first cycle): the first token, then whole chunks
 # until budget + chunk cells are cached
@@ -44,7 +52,7 @@ def test_prefix_length(budget: int, chunk: int, total: int, expected: int) -> No
 
 
 @pytest.fixture
-def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
+def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
     """An engine on the fake backend (no capture: only policies without hidden states run)."""
     monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path / "cache"))
     model = tmp_path / "fake-model.gguf"
@@ -66,18 +74,18 @@ SHARED = [
 
 
 @pytest.mark.parametrize(("policies", "budgets", "chunk"), SHARED)
-def test_a_shared_prefix_changes_nothing(engine: Engine, policies: tuple[str, ...], budgets: tuple[float, ...],
+def test_a_shared_prefix_changes_nothing(fake_engine: Engine, policies: tuple[str, ...], budgets: tuple[float, ...],
                                          chunk: int) -> None:
     """The fake's logits hash every cached cell's content, so equal answers mean equal caches."""
-    case = make_retention_cases(1, 300, lambda s: len(engine.backend.tokenize(s, special=False)), 4)[0]
-    shared = evict.case_answers(engine, case, policies, budgets, chunk)
+    case = make_retention_cases(1, 300, lambda s: len(fake_engine.backend.tokenize(s, special=False)), 4)[0]
+    shared = evict.case_answers(fake_engine, case, policies, budgets, chunk)
     assert [(a.policy, a.budget) for a in shared] == [(p, b) for b in sorted(budgets) for p in policies] + [("full", None)]
     for answer in shared:
-        alone = evict.case_answer_alone(engine, case, None if answer.policy == "full" else answer.policy,
+        alone = evict.case_answer_alone(fake_engine, case, None if answer.policy == "full" else answer.policy,
                                         answer.budget, chunk)
         assert (answer.text, answer.kept, len(answer.cycle_ms)) == (alone.text, alone.kept, len(alone.cycle_ms))
         assert answer.policy == "full" or len(answer.kept) >= 2
-    assert engine.pool.free == 3  # every scratch sequence went back
+    assert fake_engine.pool.free == 3  # every scratch sequence went back
     compacted = {a.policy: a.text for a in shared if a.budget == 0.25}
     if "window/compact" in compacted:  # the renumbered cells answer otherwise (the fake hashes positions)
         assert compacted["window/compact"] != compacted["window"]

@@ -8,11 +8,22 @@ import re
 
 import pytest
 
-from kvagent.bench.evict_heldout import (
-    BANDS, FAMILIES, FACTS_PER_CASE, LENGTHS, SPLITS, build_case, make_cases, make_dialogues, question_segment, reply_segment,
+from kvagent.segments import SegmentKind
+from kvagent_bench.evict_heldout import (
+    BANDS,
+    FACTS_PER_CASE,
+    FAMILIES,
+    LENGTHS,
+    SPLITS,
+    build_case,
+    make_cases,
+    make_dialogues,
+    question_segment,
+    reply_segment,
     score_reply,
 )
-from kvagent.segments import SegmentKind
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def words(text: str) -> int:
@@ -108,7 +119,7 @@ def test_replies_are_scored_by_string_match(reply: str, answer: str, ok: bool) -
     assert score_reply(reply, answer) is ok
 
 
-# --- the suite's summary (kvagent.bench.evict_agent.summarize) -------------------------------------------
+# --- the suite's summary (kvagent_bench.evict_agent.summarize) -------------------------------------------
 def _records(policy: str, budget: float | None, oks: dict[str, list[bool]]) -> list[dict]:
     bands = ("early", "middle", "late")
     return [{"model": "m", "task": "heldout", "policy": policy, "budget": budget, "case": case, "ok": ok,
@@ -118,7 +129,7 @@ def _records(policy: str, budget: float | None, oks: dict[str, list[bool]]) -> l
 
 
 def test_summary_rows_give_accuracy_ratio_to_the_full_cache_and_breakdowns() -> None:
-    from kvagent.bench.evict_agent import summarize
+    from kvagent_bench.evict_agent import summarize
 
     full = {"c0-tools": [True, True, True], "c1-documents": [True, False, True]}
     half = {"c0-tools": [True, False, True], "c1-documents": [False, False, True]}
@@ -145,7 +156,7 @@ def _chain(policy: object) -> list[object]:
 
 def _memos(policy: object) -> list[object]:
     """The shared passes (``Memo``) down a policy's wrappers."""
-    from kvagent.bench.evict_agent import Memo
+    from kvagent_bench.evict_agent import Memo
 
     return [p for p in _chain(policy) if isinstance(p, Memo)]
 
@@ -158,7 +169,7 @@ def test_the_surprise_variants_share_one_pass_per_head(monkeypatch: pytest.Monke
     """In the ``once`` setting every surprise variant of one vocabulary head scores through one shared pass; the
     ``-f32`` variants through a second one with the float32 head (the default "auto" is "mixed" on a bf16 CPU)."""
     import kvagent.policies.last_layer as last_layer
-    from kvagent.bench.evict_agent import calibration_variants
+    from kvagent_bench.evict_agent import calibration_variants
 
     monkeypatch.setattr(last_layer, "fast_bf16", lambda: True)
     variants = calibration_variants()
@@ -177,8 +188,8 @@ def test_the_surprise_variants_share_one_pass_per_head(monkeypatch: pytest.Monke
     ("hybrid-selfinfo", "variant"),
 ])
 def test_the_books_suite_takes_registry_names_and_calibration_candidates(name: str, source: str) -> None:
-    from kvagent.bench.evict_agent import bench_policy_names, calibration_variants, registry_or_variant
     from kvagent.policies import get_policy
+    from kvagent_bench.evict_agent import bench_policy_names, calibration_variants, registry_or_variant
 
     made = registry_or_variant(name)
     expected = get_policy(name) if source == "registry" else calibration_variants(shared=False)[name]()

@@ -9,8 +9,10 @@ from importlib import resources
 
 import pytest
 
-from kvagent.bench import evict_suite as es
 from kvagent.data import PROSE_PACKAGE
+from kvagent_bench import evict_suite as es
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def words(text: str) -> int:

@@ -457,7 +457,7 @@ def test_spans_wrapper_names_and_hidden_follow_the_inner_policy() -> None:
         Spans(inner, reduce="median")
 
 
-# --- the counter-causal query row of each cell (a bug the span-level suite found) --------------------------
+# --- the counter-causal query row of each cell: the state at p - 1, not the previous cached cell's -----------
 # (positions, expected index of the row that holds position p - 1 in the view, -1 when not cached)
 PREVIOUS_CASES = [
     ([0, 1, 2, 3], [-1, 0, 1, 2]),

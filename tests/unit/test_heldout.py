@@ -9,12 +9,20 @@ import random
 import pytest
 
 from kvagent.chat_format import ChatFormat
-from kvagent.edits.heldout import (
-    DOWNSTREAMS, FORMATS, HELDOUT, SHORT_SENTENCES, make_heldout_cases, split_cases, split_templates,
-)
 from kvagent.edits.suite import TEMPLATES, question_segments
 from kvagent.segments import Renderer, SegmentKind
+from kvagent_bench.edit_heldout import (
+    DOWNSTREAMS,
+    FORMATS,
+    HELDOUT,
+    SHORT_SENTENCES,
+    make_heldout_cases,
+    split_cases,
+    split_templates,
+)
 from tests.unit.test_segments import FMT, CharTokenizer
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 GRID = list(itertools.product(HELDOUT, FORMATS, DOWNSTREAMS))
 

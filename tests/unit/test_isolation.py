@@ -26,7 +26,7 @@ POLICY = " ".join(f"w{i}" for i in range(40))
 
 
 @pytest.fixture
-def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
+def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
     monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "fake-model.gguf"
     path.write_bytes(b"GGUF" + bytes(range(60)))
@@ -107,46 +107,46 @@ def test_prefix_index_moves_a_sequence_between_scopes_and_prunes() -> None:
     assert index.match((1, 2, 3), scope="b") == (-1, 0) and len(index) == 0 and index.scope_of(1) is None
 
 
-def test_sessions_of_two_scopes_never_share_cells(engine: Engine) -> None:
-    a = engine.session([Segment.policy(POLICY)], scope="tenant-a", chat=False)
+def test_sessions_of_two_scopes_never_share_cells(fake_engine: Engine) -> None:
+    a = fake_engine.session([Segment.policy(POLICY)], scope="tenant-a", chat=False)
     a.prefill()
-    same = engine.session([Segment.policy(POLICY), Segment.user("hi")], scope="tenant-a", chat=False)
-    other = engine.session([Segment.policy(POLICY), Segment.user("hi")], scope="tenant-b", chat=False)
+    same = fake_engine.session([Segment.policy(POLICY), Segment.user("hi")], scope="tenant-a", chat=False)
+    other = fake_engine.session([Segment.policy(POLICY), Segment.user("hi")], scope="tenant-b", chat=False)
     assert same.prefill().shared > 0  # the same scope starts from a's cells
     report = other.prefill()
     assert (report.shared, report.reused) == (0, 0)  # another scope computes everything itself
-    assert engine.renderer(False, "tenant-a") is not engine.renderer(False, "tenant-b")  # own tokenizing memos
+    assert fake_engine.renderer(False, "tenant-a") is not fake_engine.renderer(False, "tenant-b")  # own tokenizing memos
     for s in (a, same, other):
         s.close()
 
 
-def test_restored_cells_are_never_published_unless_shared(engine: Engine) -> None:
-    a = engine.session([Segment.policy(POLICY)], chat=False)
+def test_restored_cells_are_never_published_unless_shared(fake_engine: Engine) -> None:
+    a = fake_engine.session([Segment.policy(POLICY)], chat=False)
     a.prefill()
     blob, segments = a.save(), a.segments
     a.close()
-    restored = engine.session(chat=False)
+    restored = fake_engine.session(chat=False)
     restored.restore(blob, segments)
-    assert restored.cache.restored and engine.pool.index.indexed(restored.seq) == ()
+    assert restored.cache.restored and fake_engine.pool.index.indexed(restored.seq) == ()
     restored.extend(Segment.user("more"))  # cells computed on top of restored ones stay out too
-    assert engine.pool.index.indexed(restored.seq) == ()
-    probe = engine.session([Segment.policy(POLICY), Segment.user("x")], chat=False)
+    assert fake_engine.pool.index.indexed(restored.seq) == ()
+    probe = fake_engine.session([Segment.policy(POLICY), Segment.user("x")], chat=False)
     assert probe.prefill().shared == 0
     restored.replace([Segment.policy("other text entirely")])  # its first cell (BOS) is still the restored one
-    assert restored.cache.restored and engine.pool.index.indexed(restored.seq) == ()
+    assert restored.cache.restored and fake_engine.pool.index.indexed(restored.seq) == ()
     restored.cache.cut(0)  # only a cache emptied to its first token publishes again
     restored.prefill()
-    assert not restored.cache.restored and engine.pool.index.indexed(restored.seq) != ()
-    own = engine.session(chat=False)
+    assert not restored.cache.restored and fake_engine.pool.index.indexed(restored.seq) != ()
+    own = fake_engine.session(chat=False)
     own.restore(blob, segments, share=True)  # the process's own bytes (a parked session)
-    assert len(engine.pool.index.indexed(own.seq)) > 0
+    assert len(fake_engine.pool.index.indexed(own.seq)) > 0
     for s in (restored, probe, own):
         s.close()
 
 
-def test_token_ids_outside_the_vocabulary_are_refused(engine: Engine) -> None:
-    n_vocab = engine.backend.n_vocab
-    renderer = engine.renderer(False)
+def test_token_ids_outside_the_vocabulary_are_refused(fake_engine: Engine) -> None:
+    n_vocab = fake_engine.backend.n_vocab
+    renderer = fake_engine.renderer(False)
     for bad in (n_vocab, -1, 2**40):
         with pytest.raises(SegmentOrderError, match="outside the vocabulary"):
             renderer.render([Segment.assistant("x", token_ids=[1, bad])])

@@ -8,8 +8,10 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from kvagent.bench.memory import Answer, WayRun, clip_answer, rescore, score, summarise
-from kvagent.bench.memory_data import ATTRIBUTES, STATE, UPDATE, correct, make_persona
+from kvagent_bench.memory import Answer, WayRun, clip_answer, rescore, score, summarise
+from kvagent_bench.memory_data import ATTRIBUTES, STATE, UPDATE, correct, make_persona
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def words(turns: Sequence[tuple[str, str]]) -> int:

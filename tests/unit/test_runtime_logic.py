@@ -1,8 +1,6 @@
 """Runtime logic over the pure-Python FakeBackend: the fake itself, plan_runs, SequencePool, sessions,
 the scheduler and kvagent.aio. No model is loaded; the fake's logits are deterministic noise that
 depends on exactly what each sequence caches, so "same logits" means "same cached content".
-
-Bugs once found in the runtime are kept as ``test_regression_*`` tests named after the bug.
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ import pytest
 
 import kvagent.backends.fake  # noqa: F401  (registers backend "fake")
 from kvagent.backends.base import Backend
-from kvagent.backends.registry import backend_names
 from kvagent.backends.fake import BOS, EOS, FakeBackend
+from kvagent.backends.registry import backend_names
 from kvagent.engine import Engine, EngineSettings
 from kvagent.errors import BackendError, ChatTemplateError, KVAgentError, KVCacheFullError
 from kvagent.kv.plan import Run, plan_runs
@@ -57,47 +55,47 @@ def make_engine(model_file: Path) -> Iterator[Any]:
         backend = backend_cls(n_ctx=n_ctx, n_seq_max=n_seq_max, **fake)
         settings = EngineSettings(model=str(model_file), n_ctx=max(n_ctx, 32), n_seq_max=n_seq_max,
                                   prefill_chunk=prefill_chunk)
-        engine = Engine(settings, backend=backend)
-        engines.append(engine)
-        return engine
+        fake_engine = Engine(settings, backend=backend)
+        engines.append(fake_engine)
+        return fake_engine
 
     yield make
-    for engine in engines:
-        engine.close()
+    for fake_engine in engines:
+        fake_engine.close()
 
 
 @pytest.fixture
-def engine(make_engine: Any) -> Engine:
+def fake_engine(make_engine: Any) -> Engine:
     return make_engine()
 
 
 POLICY = "You are a terse assistant that answers in words"
 
 
-def open_session(engine: Engine, *segments: Segment, **options: Any) -> Session:
-    return engine.session(list(segments) or [Segment.policy(POLICY)], chat=False, **options)
+def open_session(fake_engine: Engine, *segments: Segment, **options: Any) -> Session:
+    return fake_engine.session(list(segments) or [Segment.policy(POLICY)], chat=False, **options)
 
 
-def cold_digest(engine: Engine, tokens: tuple[int, ...]) -> bytes:
+def cold_digest(fake_engine: Engine, tokens: tuple[int, ...]) -> bytes:
     """What a cold prefill of ``tokens`` caches (the fake's content digest), in a scratch sequence."""
-    backend: FakeBackend = engine.backend  # type: ignore[assignment]
-    with engine.scratch() as seq:
+    backend: FakeBackend = fake_engine.backend  # type: ignore[assignment]
+    with fake_engine.scratch() as seq:
         n = len(tokens)
         backend.decode(tokens, range(n), [seq] * n, [False] * n)
         return backend.sequence_digest(seq)
 
 
-def assert_at_rest(engine: Engine, session: Session) -> None:
+def assert_at_rest(fake_engine: Engine, session: Session) -> None:
     """The session's prompt, its token record and the backend's cells agree, and the cells hold what a
     cold prefill of the prompt would compute."""
-    backend: FakeBackend = engine.backend  # type: ignore[assignment]
+    backend: FakeBackend = fake_engine.backend  # type: ignore[assignment]
     assert session.tokens == session.rendered.tokens
-    with engine.lock:
+    with fake_engine.lock:
         assert backend.seq_positions(session.seq) == list(range(len(session.tokens)))
-        assert backend.sequence_digest(session.seq) == cold_digest(engine, session.tokens)
+        assert backend.sequence_digest(session.seq) == cold_digest(fake_engine, session.tokens)
 
 
-def gate(engine: Engine) -> threading.Event:
+def gate(fake_engine: Engine) -> threading.Event:
     """Hold the scheduler's worker until the returned event is set (so work submitted meanwhile starts
     in the same round)."""
     release, held = threading.Event(), threading.Event()
@@ -108,7 +106,7 @@ def gate(engine: Engine) -> threading.Event:
         return None
         yield  # pragma: no cover
 
-    engine.scheduler.submit("test-gate", work())
+    fake_engine.scheduler.submit("test-gate", work())
     assert held.wait(5)
     return release
 
@@ -129,16 +127,16 @@ def test_fake_implements_the_protocol_and_is_registered(model_file: Path) -> Non
     assert b.meta("general.architecture") is None and b.layer_output_name(-1) == "l_out-1"
     assert b.bos_ids == [BOS] and FakeBackend(add_bos=False).bos_ids == [] and b.is_eog(EOS)
     assert "fake" in backend_names()
-    engine = Engine.load(str(model_file), backend="fake", n_ctx=256, n_seq_max=3)
+    fake_engine = Engine.load(str(model_file), backend="fake", n_ctx=256, n_seq_max=3)
     try:
-        assert isinstance(engine.backend, FakeBackend)
-        assert (engine.backend.n_ctx, engine.backend.n_seq_max) == (256, 3)
+        assert isinstance(fake_engine.backend, FakeBackend)
+        assert (fake_engine.backend.n_ctx, fake_engine.backend.n_seq_max) == (256, 3)
         with pytest.raises(ChatTemplateError, match="chat=False"):
-            engine.session([Segment.policy("hi")])  # chat=True needs a template the fake has not
+            fake_engine.session([Segment.policy("hi")])  # chat=True needs a template the fake has not
     finally:
-        engine.close()
+        fake_engine.close()
     with pytest.raises(BackendError, match="closed"):
-        engine.backend.seq_positions(0)
+        fake_engine.backend.seq_positions(0)
 
 
 @pytest.mark.parametrize(("text", "special", "pieces"), [
@@ -394,8 +392,8 @@ def test_pool_share_bookkeeping(ops: list[tuple[Any, ...]], queries: list[tuple[
 # ---------------------------------------------------------------------------------------------------
 # sessions over the fake backend
 # ---------------------------------------------------------------------------------------------------
-def test_prefill_reuses_the_cached_prefix(engine: Engine) -> None:
-    s = open_session(engine)
+def test_prefill_reuses_the_cached_prefix(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
     first = s.prefill()
     n = len(s.tokens)
     assert (first.reused, first.computed) == (0, n) and n > 3
@@ -403,90 +401,90 @@ def test_prefill_reuses_the_cached_prefix(engine: Engine) -> None:
     assert (again.reused, again.computed) == (n, 0)
     ext = s.extend(Segment.user("what is the capital of France"))
     assert ext.reused == n and ext.computed == len(s.tokens) - n
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
     policy, user = s.segments
     rep = s.replace([policy, Segment.user("what is the capital of Spain")])
     assert rep.reused == s.rendered.spans[1].first + 5  # "what is the capital of" is kept
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def test_second_session_shares_the_first_sessions_prefix(engine: Engine) -> None:
-    a = open_session(engine, Segment.policy(POLICY), Segment.user("first question here"))
+def test_second_session_shares_the_first_sessions_prefix(fake_engine: Engine) -> None:
+    a = open_session(fake_engine, Segment.policy(POLICY), Segment.user("first question here"))
     a.prefill()
-    b = open_session(engine, Segment.policy(POLICY), Segment.user("another question"))
+    b = open_session(fake_engine, Segment.policy(POLICY), Segment.user("another question"))
     report = b.prefill()
     shared_len = b.rendered.spans[0].last + 1
     assert report.shared == shared_len and report.reused == shared_len
     assert report.computed == len(b.tokens) - shared_len
-    backend: FakeBackend = engine.backend  # type: ignore[assignment]
+    backend: FakeBackend = fake_engine.backend  # type: ignore[assignment]
     assert backend.holders(b.seq, 0) == {a.seq, b.seq}  # the cells themselves, not copies
-    cold = open_session(engine, Segment.policy(POLICY), Segment.user("another question"), share_prefix=False)
+    cold = open_session(fake_engine, Segment.policy(POLICY), Segment.user("another question"), share_prefix=False)
     assert cold.prefill().shared == 0
     assert np.array_equal(b.logits(), cold.logits())  # shared cells hold what a cold prefill computes
     for s in (a, b, cold):
-        assert_at_rest(engine, s)
+        assert_at_rest(fake_engine, s)
     a.close()  # b keeps the shared cells
     assert backend.seq_positions(b.seq) == list(range(len(b.tokens)))
-    assert_at_rest(engine, b)
+    assert_at_rest(fake_engine, b)
 
 
-def test_generate_commits_the_turn_and_the_next_call_reuses_it(engine: Engine) -> None:
-    s = open_session(engine)
+def test_generate_commits_the_turn_and_the_next_call_reuses_it(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
     gen = s.generate(6, user="say something")
     assert gen.finish_reason == "length" and gen.generated == 6 and gen.text
     assert s.segments[-1].role == "assistant" and s.segments[-1].text == gen.text
     assert s.segments[-1].token_ids == gen.token_ids
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
     n = len(s.tokens)
     nxt = s.chat("and again", max_tokens=4)
     assert nxt.reused == n
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
 def test_generation_is_deterministic_and_ends_at_eos(make_engine: Any) -> None:
     texts = []
     for _ in range(2):
-        engine = make_engine()
-        texts.append(open_session(engine).generate(8, user="hello").text)
+        fake_engine = make_engine()
+        texts.append(open_session(fake_engine).generate(8, user="hello").text)
     assert texts[0] == texts[1]
-    engine = make_engine(eos_bias=1000.0)
-    s = open_session(engine)
+    fake_engine = make_engine(eos_bias=1000.0)
+    s = open_session(fake_engine)
     gen = s.generate(8, user="hello")
     assert (gen.finish_reason, gen.text, gen.token_ids) == ("eos", "", ())
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def test_stop_string_ends_the_turn(engine: Engine) -> None:
-    s = open_session(engine)
+def test_stop_string_ends_the_turn(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
     full = s.generate(6, user="hello").text
     s.close()
     words = full.split()
-    s = open_session(engine)
+    s = open_session(fake_engine)
     gen = s.generate(6, user="hello", stop=[words[2]])
     assert gen.finish_reason == "stop" and gen.text == full[: full.index(words[2])]
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def test_answer_prefix_is_cached_but_not_in_the_text(engine: Engine) -> None:
-    s = open_session(engine)
+def test_answer_prefix_is_cached_but_not_in_the_text(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
     gen = s.generate(4, user="question", prefix="Answer:")
     assert gen.prefix == "Answer:" and not gen.text.startswith("Answer")
     assert s.segments[-1].text == "Answer:" + gen.text
     assert s.segments[-1].text.startswith("Answer:")
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def test_stream_yields_the_text_and_commits(engine: Engine) -> None:
-    s = open_session(engine)
+def test_stream_yields_the_text_and_commits(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
     stream = s.stream(8, user="hello")
     pieces = list(stream)
     assert stream.result is not None and "".join(pieces) == stream.result.text
     assert s.segments[-1].text == stream.result.text
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def test_closing_a_stream_early_rolls_back(engine: Engine) -> None:
-    s = open_session(engine)
+def test_closing_a_stream_early_rolls_back(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
     s.prefill()
     before, segments = s.tokens, s.segments
     stream = s.stream(40, user="hello")
@@ -494,17 +492,17 @@ def test_closing_a_stream_early_rolls_back(engine: Engine) -> None:
     next(stream)
     stream.close()
     assert s.tokens == before and s.segments == segments
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
     assert s.generate(3).generated == 3  # the session still works
 
 
-def test_fifty_cancelled_streams_leak_no_sequence(engine: Engine) -> None:
-    backend: FakeBackend = engine.backend  # type: ignore[assignment]
-    start = engine.pool.free
-    keeper = open_session(engine)
+def test_fifty_cancelled_streams_leak_no_sequence(fake_engine: Engine) -> None:
+    backend: FakeBackend = fake_engine.backend  # type: ignore[assignment]
+    start = fake_engine.pool.free
+    keeper = open_session(fake_engine)
     keeper.prefill()
     for i in range(50):
-        s = open_session(engine)
+        s = open_session(fake_engine)
         stream = s.stream(30, user=f"question {i}")
         next(stream)
         stream.close()
@@ -516,15 +514,15 @@ def test_fifty_cancelled_streams_leak_no_sequence(engine: Engine) -> None:
             next(stream2)
             stream2.close()
             s.close()
-    assert engine.pool.free == start - 1 and engine.open_sessions == 1
+    assert fake_engine.pool.free == start - 1 and fake_engine.open_sessions == 1
     assert backend.used_cells == len(keeper.tokens)
-    assert_at_rest(engine, keeper)
+    assert_at_rest(fake_engine, keeper)
     keeper.close()
-    assert engine.pool.free == start and backend.used_cells == 0
+    assert fake_engine.pool.free == start and backend.used_cells == 0
 
 
-def test_calling_the_session_while_reading_its_stream_is_refused(engine: Engine) -> None:
-    s = open_session(engine)
+def test_calling_the_session_while_reading_its_stream_is_refused(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
     s.prefill()
     before = s.segments
     stream = s.stream(20, user="hello")
@@ -536,15 +534,15 @@ def test_calling_the_session_while_reading_its_stream_is_refused(engine: Engine)
     rest = list(stream)
     assert stream.result is not None and rest
     assert s.segments[: len(before)] == before and s.segments[-1].text == stream.result.text
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def other_thread_call_during_a_stream(engine: Engine, verb: str) -> tuple[Session, Any, dict[str, Any]]:
+def other_thread_call_during_a_stream(fake_engine: Engine, verb: str) -> tuple[Session, Any, dict[str, Any]]:
     """A stream read by this thread while another thread calls ``verb`` on the session; the worker is held
     until both are queued, so the other call is queued behind the whole turn."""
-    s = open_session(engine, Segment.policy(POLICY), Segment.field("city", "Paris"))
+    s = open_session(fake_engine, Segment.policy(POLICY), Segment.field("city", "Paris"))
     s.prefill()
-    release = gate(engine)
+    release = gate(fake_engine)
     stream = s.stream(24, user="tell me")
     seen: dict[str, Any] = {}
 
@@ -555,7 +553,7 @@ def other_thread_call_during_a_stream(engine: Engine, verb: str) -> tuple[Sessio
     thread = threading.Thread(target=other)
     thread.start()
     deadline = time.monotonic() + 5
-    while len(engine.scheduler._queues.get(s, ())) < 2 and time.monotonic() < deadline:
+    while len(fake_engine.scheduler._queues.get(s, ())) < 2 and time.monotonic() < deadline:
         time.sleep(0.001)
     release.set()
     pieces = []
@@ -568,45 +566,45 @@ def other_thread_call_during_a_stream(engine: Engine, verb: str) -> tuple[Sessio
     return s, stream.result, seen
 
 
-def test_other_threads_set_waits_for_the_whole_turn(engine: Engine) -> None:
-    s, result, seen = other_thread_call_during_a_stream(engine, "set")
+def test_other_threads_set_waits_for_the_whole_turn(fake_engine: Engine) -> None:
+    s, result, seen = other_thread_call_during_a_stream(fake_engine, "set")
     turn, erratum = seen["segments"][-2:]
     assert turn.role == "assistant" and turn.text == result.text
     assert erratum.kind is SegmentKind.ERRATUM and erratum.value == "Rome"
     assert seen["report"].reused == s.rendered.spans[-1].first  # the whole turn was cached when it ran
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def test_regression_extend_from_another_thread_drops_the_turn_in_flight(engine: Engine) -> None:
-    s, result, seen = other_thread_call_during_a_stream(engine, "extend")
-    assert [seg.role for seg in seen["segments"][-3:]] == ["user", "assistant", "user"]  # before the fix: turn dropped
+def test_extend_from_another_thread_keeps_the_turn_in_flight(fake_engine: Engine) -> None:
+    s, result, seen = other_thread_call_during_a_stream(fake_engine, "extend")
+    assert [seg.role for seg in seen["segments"][-3:]] == ["user", "assistant", "user"]  # the turn is kept
     assert seen["segments"][-2].text == result.text
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def test_regression_aextend_drops_a_turn_in_flight(engine: Engine) -> None:
+def test_aextend_keeps_a_turn_in_flight(fake_engine: Engine) -> None:
     async def main() -> None:
-        session = await AsyncEngine(engine).session([Segment.policy(POLICY)], chat=False)
-        release = gate(engine)
+        session = await AsyncEngine(fake_engine).session([Segment.policy(POLICY)], chat=False)
+        release = gate(fake_engine)
         chat = asyncio.create_task(session.achat("question", max_tokens=5))
         await asyncio.sleep(0)  # the chat is queued first
         extend = asyncio.create_task(session.aextend(Segment.user("follow-up")))
         await asyncio.sleep(0)
         release.set()
         gen, _ = await asyncio.gather(chat, extend)
-        assert [seg.text for seg in session.segments] == [POLICY, "question", gen.text, "follow-up"]  # failed before the fix
+        assert [seg.text for seg in session.segments] == [POLICY, "question", gen.text, "follow-up"]
         assert session.tokens == session.rendered.tokens
 
     asyncio.run(main())
 
 
-def test_scheduler_batches_decode_steps_of_generating_sessions(engine: Engine) -> None:
-    sched, backend = engine.scheduler, engine.backend
-    sessions = [open_session(engine, Segment.policy(POLICY), Segment.user(f"question {i}")) for i in range(4)]
+def test_scheduler_batches_decode_steps_of_generating_sessions(fake_engine: Engine) -> None:
+    sched, backend = fake_engine.scheduler, fake_engine.backend
+    sessions = [open_session(fake_engine, Segment.policy(POLICY), Segment.user(f"question {i}")) for i in range(4)]
     for s in sessions:
         s.prefill()
     rounds, batched, calls = sched.rounds, sched.batched_tokens, backend.decode_calls  # type: ignore[attr-defined]
-    release = gate(engine)
+    release = gate(fake_engine)
     streams = [s.stream(20) for s in sessions]
     release.set()
     texts = ["".join(stream) for stream in streams]
@@ -616,20 +614,20 @@ def test_scheduler_batches_decode_steps_of_generating_sessions(engine: Engine) -
     assert backend.decode_calls - calls < d_batched  # type: ignore[attr-defined]
     for s, text in zip(sessions, texts):
         assert s.segments[-1].text == text
-        assert_at_rest(engine, s)
+        assert_at_rest(fake_engine, s)
     # batched or alone, the same tokens: compare with one session generating alone
-    solo = open_session(engine, Segment.policy(POLICY), Segment.user("question 2"))
+    solo = open_session(fake_engine, Segment.policy(POLICY), Segment.user("question 2"))
     assert solo.generate(20).text == texts[2]
 
 
-def test_session_close_frees_its_sequence(engine: Engine) -> None:
-    start = engine.pool.free
-    s = open_session(engine)
+def test_session_close_frees_its_sequence(fake_engine: Engine) -> None:
+    start = fake_engine.pool.free
+    s = open_session(fake_engine)
     s.generate(3, user="x")
-    assert engine.pool.free == start - 1
+    assert fake_engine.pool.free == start - 1
     s.close()
     s.close()
-    assert engine.pool.free == start and engine.backend.used_cells == 0  # type: ignore[attr-defined]
+    assert fake_engine.pool.free == start and fake_engine.backend.used_cells == 0  # type: ignore[attr-defined]
     with pytest.raises(KVAgentError, match="closed"):
         s.prefill()
 
@@ -638,7 +636,6 @@ def test_session_close_frees_its_sequence(engine: Engine) -> None:
 # kvagent.aio
 # ---------------------------------------------------------------------------------------------------
 from kvagent.aio import AsyncEngine  # noqa: E402
-
 
 QUESTIONS = [f"question number {i}" for i in range(8)]
 
@@ -670,10 +667,10 @@ def test_aio_concurrent_chats_match_sequential(make_engine: Any) -> None:
     assert d_batched == 8 * 9 and d_rounds < d_batched
 
 
-def test_aio_astream_break_rolls_back(engine: Engine) -> None:
+def test_aio_astream_break_rolls_back(fake_engine: Engine) -> None:
     async def main() -> None:
-        aengine = AsyncEngine(engine)
-        start = engine.pool.free
+        aengine = AsyncEngine(fake_engine)
+        start = fake_engine.pool.free
         session = await aengine.session([Segment.policy(POLICY)], chat=False)
         await session.aprefill()
         before = session.tokens
@@ -684,20 +681,20 @@ def test_aio_astream_break_rolls_back(engine: Engine) -> None:
                 if len(pieces) == 3:
                     break
         assert session.tokens == before and len(pieces) == 3
-        assert_at_rest(engine, session.session)
+        assert_at_rest(fake_engine, session.session)
         async with session.astream(5, user="hello") as stream:
             text = "".join([p async for p in stream])
         assert stream.result is not None and text == stream.result.text
         assert session.segments[-1].text == text
         await session.aclose()
-        assert engine.pool.free == start
+        assert fake_engine.pool.free == start
 
     asyncio.run(main())
 
 
-def test_aio_arespond_reuses_the_cached_history(engine: Engine) -> None:
+def test_aio_arespond_reuses_the_cached_history(fake_engine: Engine) -> None:
     async def main() -> None:
-        aengine = AsyncEngine(engine)
+        aengine = AsyncEngine(fake_engine)
         session = await aengine.session([Segment.policy(POLICY)], chat=False)
         first = await session.achat("what is up", max_tokens=6)
         cached = len(session.tokens)
@@ -714,7 +711,7 @@ def test_aio_arespond_reuses_the_cached_history(engine: Engine) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# regressions: bugs once found in the runtime, named after the bug
+# races and rollbacks at the edges of a turn (each named after what must hold)
 # ---------------------------------------------------------------------------------------------------
 class HookedBackend(FakeBackend):
     """A fake whose next single-token decode (a generation step) runs ``hook`` once it has landed."""
@@ -731,10 +728,10 @@ class HookedBackend(FakeBackend):
 
 def test_stream_closed_at_its_first_step_rolls_back(make_engine: Any) -> None:
     """Cancelled right after the first step was decoded (before the decoder took it): the user turn and
-    that cell go; what holds today when the call added prompt tokens (compare the bug test below)."""
-    engine = make_engine(backend_cls=HookedBackend)
-    backend: HookedBackend = engine.backend  # type: ignore[assignment]
-    s = open_session(engine)
+    that cell go, as when the call added no prompt tokens (the test below)."""
+    fake_engine = make_engine(backend_cls=HookedBackend)
+    backend: HookedBackend = fake_engine.backend  # type: ignore[assignment]
+    s = open_session(fake_engine)
     s.prefill()
     before = s.tokens
     box: dict[str, Any] = {}
@@ -744,13 +741,13 @@ def test_stream_closed_at_its_first_step_rolls_back(make_engine: Any) -> None:
     concurrent.futures.wait([job.future], 5)
     assert isinstance(job.future.exception(), Cancelled)
     assert s.tokens == before
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
-def test_regression_cancel_after_a_decoded_step_leaves_an_orphan_cell(make_engine: Any) -> None:
-    engine = make_engine(backend_cls=HookedBackend)
-    backend: HookedBackend = engine.backend  # type: ignore[assignment]
-    s = open_session(engine)  # plain format: a reply without user or prefix adds no prompt token
+def test_cancel_after_a_decoded_step_leaves_no_orphan_cell(make_engine: Any) -> None:
+    fake_engine = make_engine(backend_cls=HookedBackend)
+    backend: HookedBackend = fake_engine.backend  # type: ignore[assignment]
+    s = open_session(fake_engine)  # plain format: a reply without user or prefix adds no prompt token
     s.prefill()
     box: dict[str, Any] = {}
     backend.hook = lambda: box["stream"].close(wait=False)  # the reader closes while the step is in the cache
@@ -759,55 +756,55 @@ def test_regression_cancel_after_a_decoded_step_leaves_an_orphan_cell(make_engin
     concurrent.futures.wait([job.future], 5)
     assert isinstance(job.future.exception(), Cancelled)
     assert s.tokens == s.rendered.tokens
-    assert backend.seq_positions(s.seq) == list(range(len(s.tokens)))  # before the fix: a cell at len(tokens)
+    assert backend.seq_positions(s.seq) == list(range(len(s.tokens)))  # no cell at len(tokens)
     assert stream.result is None
-    assert s.generate(2).generated == 2  # before the fix: the next step is refused (pos_max + 1)
+    assert s.generate(2).generated == 2  # the next step lands at pos_max + 1
 
 
-def test_regression_answer_prefix_on_an_empty_session_duplicates_bos(engine: Engine) -> None:
-    s = engine.session([], chat=False)
+def test_answer_prefix_on_an_empty_session_has_one_bos(fake_engine: Engine) -> None:
+    s = fake_engine.session([], chat=False)
     gen = s.generate(3, prefix="Once upon")
     assert s.segments[-1].text == "Once upon" + gen.text
-    assert s.rendered.tokens.count(BOS) == 1  # before the fix: (BOS, BOS, Once, upon, ...)
+    assert s.rendered.tokens.count(BOS) == 1  # not (BOS, BOS, Once, upon, ...)
     assert BOS not in (s.segments[-1].token_ids or ())
 
 
-def test_regression_failed_restore_leaves_tokens_claiming_missing_cells(make_engine: Any) -> None:
-    engine = make_engine(n_ctx=64)
-    backend: FakeBackend = engine.backend  # type: ignore[assignment]
-    a = open_session(engine, Segment.policy(" ".join(f"w{i}" for i in range(19))))
+def test_a_failed_restore_leaves_no_token_claiming_a_missing_cell(make_engine: Any) -> None:
+    fake_engine = make_engine(n_ctx=64)
+    backend: FakeBackend = fake_engine.backend  # type: ignore[assignment]
+    a = open_session(fake_engine, Segment.policy(" ".join(f"w{i}" for i in range(19))))
     a.prefill()
     blob, segments = a.save(), a.segments
     a.replace([Segment.policy("x y z")])
-    b = open_session(engine, Segment.policy(" ".join(f"v{i}" for i in range(55))))
+    b = open_session(fake_engine, Segment.policy(" ".join(f"v{i}" for i in range(55))))
     b.prefill()  # the pool now has no room for the blob's 21 cells
     with pytest.raises(KVAgentError):
         a.restore(blob, segments)
     held = backend.seq_positions(a.seq)
-    assert list(range(len(a.tokens))) == held  # before the fix: tokens (1, x, y, z, \n), backend holds nothing
-    assert len(engine.pool.index.indexed(a.seq)) <= len(held)
+    assert list(range(len(a.tokens))) == held  # not: tokens (1, x, y, z, \n) with nothing in the backend
+    assert len(fake_engine.pool.index.indexed(a.seq)) <= len(held)
     b.close()  # room for the cold prefill assert_at_rest compares with
     a.prefill()
-    assert_at_rest(engine, a)
+    assert_at_rest(fake_engine, a)
 
 
-def test_regression_dropping_a_stream_does_not_cancel_it(engine: Engine) -> None:
-    s = open_session(engine)
+def test_dropping_a_stream_cancels_it(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
     s.prefill()
     stream = s.stream(40, user="hello")
     next(stream)
-    job = engine.scheduler.active(s)
+    job = fake_engine.scheduler.active(s)
     assert job is not None
     del stream
     gc.collect()
     done, _ = concurrent.futures.wait([job.future], 0.5)
-    assert done  # before the fix: the generation is still waiting for the dropped reader
+    assert done  # not still waiting for the dropped reader
 
 
-def test_regression_cancelled_task_returns_before_the_rollback(engine: Engine) -> None:
+def test_a_cancelled_task_returns_after_the_rollback(fake_engine: Engine) -> None:
     async def main() -> None:
-        aengine = AsyncEngine(engine)
-        start = engine.pool.free
+        aengine = AsyncEngine(fake_engine)
+        start = fake_engine.pool.free
         session = await aengine.session([Segment.policy(POLICY)], chat=False)
         await session.aprefill()
         before, segments = session.tokens, session.segments
@@ -827,19 +824,19 @@ def test_regression_cancelled_task_returns_before_the_rollback(engine: Engine) -
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task  # must return once the turn is rolled back (the docstring's promise)
-        assert session.tokens == before and session.segments == segments  # before the fix: the turn is still there
-        assert_at_rest(engine, session.session)
+        assert session.tokens == before and session.segments == segments  # the turn is gone
+        assert_at_rest(fake_engine, session.session)
         await session.aclose()
-        assert engine.pool.free == start
+        assert fake_engine.pool.free == start
 
     asyncio.run(main())
 
 
-def test_cancelled_task_is_rolled_back_eventually(engine: Engine) -> None:
+def test_cancelled_task_is_rolled_back_eventually(fake_engine: Engine) -> None:
     """What holds today: the cancelled generation rolls back and leaks nothing once the worker got to it."""
     async def main() -> None:
-        aengine = AsyncEngine(engine)
-        start = engine.pool.free
+        aengine = AsyncEngine(fake_engine)
+        start = fake_engine.pool.free
         session = await aengine.session([Segment.policy(POLICY)], chat=False)
         await session.aprefill()
         before = session.tokens
@@ -859,39 +856,39 @@ def test_cancelled_task_is_rolled_back_eventually(engine: Engine) -> None:
             await task
         await session.aprefill()  # queued behind the cancelled job
         assert session.tokens == before and count[0] < 500
-        assert_at_rest(engine, session.session)
+        assert_at_rest(fake_engine, session.session)
         await session.aclose()
-        assert engine.pool.free == start
+        assert fake_engine.pool.free == start
 
     asyncio.run(main())
 
 
-def test_regression_stream_end_registered_after_submit(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = make_engine(eos_bias=1000.0)  # the first token ends the turn: no piece, so no reader is needed
-    s = open_session(engine)
+def test_a_stream_ends_when_its_end_comes_before_the_reader(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_engine = make_engine(eos_bias=1000.0)  # the first token ends the turn: no piece, so no reader is needed
+    s = open_session(fake_engine)
     s.prefill()
-    submit = engine.scheduler.submit
+    submit = fake_engine.scheduler.submit
 
     def preempted_submit(owner: Any, work: Any, ready: Any = None) -> Any:
         job = submit(owner, work, ready)
         concurrent.futures.wait([job.future], 5)  # the calling thread is descheduled until the job is done
         return job
 
-    monkeypatch.setattr(engine.scheduler, "submit", preempted_submit)
+    monkeypatch.setattr(fake_engine.scheduler, "submit", preempted_submit)
     stream = s.stream(5, user="hi")
     out: dict[str, Any] = {}
     reader = threading.Thread(target=lambda: out.update(pieces=list(stream)), daemon=True)
     reader.start()
     reader.join(0.5)
     try:
-        assert not reader.is_alive()  # before the fix: no END ever reaches the stream
+        assert not reader.is_alive()  # END reaches the stream
         assert stream.result is not None and stream.result.finish_reason == "eos"
     finally:
         stream.close(wait=False)
         reader.join(2)
 
 
-def test_regression_await_misses_a_job_finished_between_callbacks_and_result() -> None:
+def test_await_sees_a_job_finished_between_callbacks_and_result() -> None:
     from kvagent.aio import _await
     from kvagent.scheduler import Job, Scheduler
 
@@ -919,7 +916,7 @@ def test_regression_await_misses_a_job_finished_between_callbacks_and_result() -
         return await asyncio.wait_for(_await(scheduler, job), 0.5)
 
     try:
-        assert asyncio.run(main()) == 42  # before the fix: TimeoutError
+        assert asyncio.run(main()) == 42  # no TimeoutError
     finally:
         gate.set()
         finisher.join(5)
@@ -929,69 +926,69 @@ def test_regression_await_misses_a_job_finished_between_callbacks_and_result() -
 # failures roll back; the scheduler interleaves
 # ---------------------------------------------------------------------------------------------------
 def test_context_overflow_during_generation_rolls_back(make_engine: Any) -> None:
-    engine = make_engine(n_ctx=40)
-    s = open_session(engine)
+    fake_engine = make_engine(n_ctx=40)
+    s = open_session(fake_engine)
     s.prefill()
     before = s.tokens
     with pytest.raises(KVAgentError) as err:
         s.generate(200, user="go on")
     assert "n_ctx" in str(err.value) and getattr(err.value, "partial", "")
     assert s.tokens == before
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
 def test_pool_full_during_generation_rolls_back(make_engine: Any) -> None:
-    engine = make_engine(n_ctx=64)
-    a = open_session(engine, Segment.policy(" ".join(f"w{i}" for i in range(40))))
+    fake_engine = make_engine(n_ctx=64)
+    a = open_session(fake_engine, Segment.policy(" ".join(f"w{i}" for i in range(40))))
     a.prefill()
-    b = open_session(engine, Segment.policy("short prompt"))
+    b = open_session(fake_engine, Segment.policy("short prompt"))
     b.prefill()
-    before, used = b.tokens, engine.backend.used_cells  # type: ignore[attr-defined]
+    before, used = b.tokens, fake_engine.backend.used_cells  # type: ignore[attr-defined]
     with pytest.raises(KVCacheFullError):
         b.generate(60, user="go")
     assert b.tokens == before == b.rendered.tokens
-    assert engine.backend.used_cells == used  # type: ignore[attr-defined]
-    assert engine.backend.seq_positions(b.seq) == list(range(len(before)))
+    assert fake_engine.backend.used_cells == used  # type: ignore[attr-defined]
+    assert fake_engine.backend.seq_positions(b.seq) == list(range(len(before)))
     a.close()  # room for the cold prefill assert_at_rest compares with
-    assert_at_rest(engine, b)
+    assert_at_rest(fake_engine, b)
 
 
 def test_short_prefill_is_not_queued_behind_a_long_one(make_engine: Any) -> None:
-    engine = make_engine(prefill_chunk=8)
-    long = open_session(engine, Segment.policy(" ".join(f"w{i}" for i in range(120))))
-    short = open_session(engine, Segment.policy("hi there"))
+    fake_engine = make_engine(prefill_chunk=8)
+    long = open_session(fake_engine, Segment.policy(" ".join(f"w{i}" for i in range(120))))
+    short = open_session(fake_engine, Segment.policy("hi there"))
     finished: list[str] = []
-    release = gate(engine)
+    release = gate(fake_engine)
     for name, s in (("long", long), ("short", short)):
-        job = engine.scheduler.submit(s, s.prefill_work())
+        job = fake_engine.scheduler.submit(s, s.prefill_work())
         on_done(job, lambda result, error, name=name: finished.append(name))
     release.set()
-    concurrent.futures.wait([engine.scheduler.submit(s, s.prefill_work()).future for s in (long, short)], 5)
+    concurrent.futures.wait([fake_engine.scheduler.submit(s, s.prefill_work()).future for s in (long, short)], 5)
     assert finished == ["short", "long"]
     for s in (long, short):
-        assert_at_rest(engine, s)
+        assert_at_rest(fake_engine, s)
 
 
-def test_calls_on_one_session_run_in_call_order(engine: Engine) -> None:
-    s = open_session(engine)
-    release = gate(engine)
+def test_calls_on_one_session_run_in_call_order(fake_engine: Engine) -> None:
+    s = open_session(fake_engine)
+    release = gate(fake_engine)
     order: list[int] = []
     futures = []
     for i in range(5):
-        job = engine.scheduler.submit(s, s.replace_work([Segment.policy(POLICY), Segment.user(f"message {i}")]))
+        job = fake_engine.scheduler.submit(s, s.replace_work([Segment.policy(POLICY), Segment.user(f"message {i}")]))
         on_done(job, lambda result, error, i=i: order.append(i))
         futures.append(job.future)
     release.set()
     concurrent.futures.wait(futures, 5)
     assert order == [0, 1, 2, 3, 4]
     assert s.segments[-1].text == "message 4"
-    assert_at_rest(engine, s)
+    assert_at_rest(fake_engine, s)
 
 
 @pytest.mark.parametrize("name", ["tokens", "logits", "stale", "evicted", "floor"])
-def test_a_sequence_is_the_one_owner_of_its_cache_fields(engine: Engine, name: str) -> None:
+def test_a_sequence_is_the_one_owner_of_its_cache_fields(fake_engine: Engine, name: str) -> None:
     """``CachedSequence`` changes its fields only through its verbs: from outside they are read-only."""
-    session = open_session(engine)
+    session = open_session(fake_engine)
     session.prefill()
     with pytest.raises(AttributeError):
         setattr(session.cache, name, getattr(session.cache, name))

@@ -15,12 +15,22 @@ from kvagent.backends.fake import FakeBackend
 from kvagent.engine import Engine, EngineSettings
 from kvagent.messages import ChatMessage
 from kvagent.segments import Segment
-from kvagent.sessions import (LFU, LRU, CloseParking, EntryLock, NoRoom, OrphansFirst, SessionTable, Snapshot,
-                              SnapshotError, TableEntry)
+from kvagent.sessions import (
+    LFU,
+    LRU,
+    CloseParking,
+    EntryLock,
+    NoRoom,
+    OrphansFirst,
+    SessionTable,
+    Snapshot,
+    SnapshotError,
+    TableEntry,
+)
 
 
 @pytest.fixture
-def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
+def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
     monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "fake-model.gguf"
     path.write_bytes(b"GGUF" + bytes(range(60)))
@@ -29,10 +39,10 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
     eng.close()
 
 
-def opened(engine: Engine, table: SessionTable[TableEntry], key: str, text: str = "a policy", *,
+def opened(fake_engine: Engine, table: SessionTable[TableEntry], key: str, text: str = "a policy", *,
            used: float = 0.0, hits: int = 0, orphaned: bool = False) -> TableEntry:
     entry = TableEntry("ns", key, last_used=used, hits=hits, orphaned=orphaned)
-    entry.session = engine.session([Segment.policy(text)], chat=False)
+    entry.session = fake_engine.session([Segment.policy(text)], chat=False)
     entry.session.prefill()
     assert table.add(entry)
     return entry
@@ -98,10 +108,10 @@ def test_a_cancelled_waiter_passes_the_lock_on() -> None:
     (OrphansFirst(), ["orphan", "old", "new", "hot"]),
     (OrphansFirst(LFU()), ["orphan", "old", "new", "hot"]),
 ])
-def test_idle_entries_give_way_lowest_priority_first(engine: Engine, strategy: Any, expected: list[str]) -> None:
-    table: SessionTable[TableEntry] = SessionTable(engine, strategy=strategy, spare=0)
+def test_idle_entries_give_way_lowest_priority_first(fake_engine: Engine, strategy: Any, expected: list[str]) -> None:
+    table: SessionTable[TableEntry] = SessionTable(fake_engine, strategy=strategy, spare=0)
     specs = {"old": (1.0, 0, False), "new": (2.0, 2, False), "hot": (2.5, 9, False), "orphan": (3.0, 1, True)}
-    entries = {k: opened(engine, table, k, f"policy {k}", used=u, hits=h, orphaned=o) for k, (u, h, o) in specs.items()}
+    entries = {k: opened(fake_engine, table, k, f"policy {k}", used=u, hits=h, orphaned=o) for k, (u, h, o) in specs.items()}
     order = []
     for _ in entries:
         before = {k for k, e in entries.items() if e.active}
@@ -112,9 +122,9 @@ def test_idle_entries_give_way_lowest_priority_first(engine: Engine, strategy: A
     assert table.keys("ns") == ["old", "new", "hot"]  # the orphaned entry was forgotten, the others kept
 
 
-def test_busy_entries_and_keep_never_give_way(engine: Engine) -> None:
-    table: SessionTable[TableEntry] = SessionTable(engine, spare=0)
-    busy, waited, kept, idle = (opened(engine, table, k, f"policy {k}", used=i) for i, k in
+def test_busy_entries_and_keep_never_give_way(fake_engine: Engine) -> None:
+    table: SessionTable[TableEntry] = SessionTable(fake_engine, spare=0)
+    busy, waited, kept, idle = (opened(fake_engine, table, k, f"policy {k}", used=i) for i, k in
                                 enumerate(["busy", "waited", "kept", "idle"]))
     busy.lock.acquire()
     waiter = threading.Thread(target=lambda: (waited.lock.acquire(), waited.lock.release()))
@@ -132,10 +142,10 @@ def test_busy_entries_and_keep_never_give_way(engine: Engine) -> None:
     waited.lock.release()
 
 
-def test_make_room_frees_sequences_or_names_what_is_short(engine: Engine) -> None:
-    table: SessionTable[TableEntry] = SessionTable(engine, spare=1)  # 4 sequences: room for 3 sessions
-    a, b, c = (opened(engine, table, k, f"policy {k}", used=i) for i, k in enumerate("abc"))
-    assert engine.pool.free == 1 and not table.fits(sequences=1)
+def test_make_room_frees_sequences_or_names_what_is_short(fake_engine: Engine) -> None:
+    table: SessionTable[TableEntry] = SessionTable(fake_engine, spare=1)  # 4 sequences: room for 3 sessions
+    a, b, c = (opened(fake_engine, table, k, f"policy {k}", used=i) for i, k in enumerate("abc"))
+    assert fake_engine.pool.free == 1 and not table.fits(sequences=1)
     assert table.make_room(sequences=1) == 1 and not a.active and table.fits(sequences=1)
     for e in (b, c):
         e.lock.acquire()
@@ -146,12 +156,12 @@ def test_make_room_frees_sequences_or_names_what_is_short(engine: Engine) -> Non
     assert b.active and c.active  # a refused make_room parks nothing that is in use
 
 
-def test_cells_used_counts_shared_prefixes_once(engine: Engine) -> None:
-    table: SessionTable[TableEntry] = SessionTable(engine, spare=0)
-    first = opened(engine, table, "first", "a shared policy of several words")
+def test_cells_used_counts_shared_prefixes_once(fake_engine: Engine) -> None:
+    table: SessionTable[TableEntry] = SessionTable(fake_engine, spare=0)
+    first = opened(fake_engine, table, "first", "a shared policy of several words")
     n = len(first.session.tokens)  # type: ignore[union-attr]
     second = TableEntry("ns", "second")
-    second.session = engine.session([Segment.policy("a shared policy of several words"), Segment.user("hi")],
+    second.session = fake_engine.session([Segment.policy("a shared policy of several words"), Segment.user("hi")],
                                     chat=False)
     second.session.prefill()  # starts from the first one's cells
     table.add(second)
@@ -161,8 +171,8 @@ def test_cells_used_counts_shared_prefixes_once(engine: Engine) -> None:
     assert table.cells_used() == n
 
 
-def test_keys_of_two_namespaces_never_meet(engine: Engine) -> None:
-    table: SessionTable[TableEntry] = SessionTable(engine)
+def test_keys_of_two_namespaces_never_meet(fake_engine: Engine) -> None:
+    table: SessionTable[TableEntry] = SessionTable(fake_engine)
     a = table.setdefault("tenant-a", "s1", lambda: TableEntry("tenant-a", "s1"))
     b = table.setdefault("tenant-b", "s1", lambda: TableEntry("tenant-b", "s1"))
     assert a is not b and table.get("tenant-a", "s1") is a and table.get("tenant-c", "s1") is None

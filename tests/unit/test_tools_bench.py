@@ -7,10 +7,12 @@ import math
 
 import pytest
 
-from kvagent.bench import tools as tb
-from kvagent.bench.tool_cases import AGENT_TOOLS, MAX_SYNTHETIC, REQUESTS, pick_requests, synthetic_tools
 from kvagent.tools import ToolSet
 from kvagent.tools.format import INSTRUCTIONS, describe
+from kvagent_bench import tools as tb
+from kvagent_bench.tool_cases import AGENT_TOOLS, MAX_SYNTHETIC, REQUESTS, pick_requests, synthetic_tools
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 AGENT = ToolSet(AGENT_TOOLS)
 

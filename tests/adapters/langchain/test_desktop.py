@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # the desktop app driven by Textual's pilot: the full tier
+
 pytest.importorskip("textual")
 
+from lc_helpers import POLICY, SETTINGS  # noqa: E402
 from textual.widgets import DataTable, Input, RichLog  # noqa: E402
 
 from kvagent.fields import FieldSpec  # noqa: E402
 from langchain_kvagent import ChatKVAgent  # noqa: E402
 from langchain_kvagent.desktop import DesktopAgent  # noqa: E402
-
-from lc_helpers import POLICY, SETTINGS  # noqa: E402
 
 SKILLS = Path(__file__).resolve().parents[3] / "skills"
 

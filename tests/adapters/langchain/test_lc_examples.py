@@ -11,6 +11,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # the examples run as a user runs them: the full tier
+
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 

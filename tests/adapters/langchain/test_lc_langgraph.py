@@ -10,11 +10,10 @@ from typing import Annotated, Any, Callable, TypedDict
 import pytest
 from langchain_core.messages import AnyMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
+from lc_helpers import POLICY, SETTINGS
 
 from kvagent.fields import FieldSpec
 from langchain_kvagent import ChatKVAgent, KVAgentStateRunnable
-
-from lc_helpers import POLICY, SETTINGS
 
 langgraph = pytest.importorskip("langgraph")
 from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
@@ -63,6 +62,7 @@ def volatile_system_prompt(model: ChatKVAgent) -> Callable[[State, RunnableConfi
     return agent
 
 
+@pytest.mark.e2e  # ten turns of a whole graph (about a minute): the full tier
 def test_ten_turn_graph_reads_the_cache_from_the_second_turn() -> None:
     fields_model = ChatKVAgent(**SETTINGS, max_tokens=12, policy=POLICY, skills=[str(SKILL)], fields=[QUEUE],
                                compile_skills=True, edit_strategy="erratum")

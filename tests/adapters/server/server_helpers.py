@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
 
 # servers started as the load benchmark starts them (they stop when the tests die); free_port re-exported
-from kvagent_server.bench.processes import free_port, start_process, stop_process  # noqa: F401
+from kvagent_bench.server.processes import free_port, start_process, stop_process  # noqa: F401
 
 MODEL = "smollm2-135m"
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The load benchmark's pure parts (``kvagent_server.bench.load``): arrivals, per-point figures, the stop rule and
+"""The load benchmark's pure parts (``kvagent_bench.server.load``): arrivals, per-point figures, the stop rule and
 the erratum / inplace comparison, without a server."""
 
 from __future__ import annotations
@@ -7,8 +7,18 @@ import math
 
 import pytest
 
-from kvagent_server.bench.load import (TurnRecord, arrivals, common_prefix, compare, field_change, percentile, saturated,
-                                summarise)
+from kvagent_bench.server.load import (
+    TurnRecord,
+    arrivals,
+    common_prefix,
+    compare,
+    field_change,
+    percentile,
+    saturated,
+    summarise,
+)
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def test_poisson_arrivals_start_at_zero_and_have_the_asked_rate() -> None:

@@ -1,4 +1,4 @@
-"""``kvagent bench load --target llama-server`` (``kvagent_server.bench.load.LlamaServerTarget``) on a real llama-server,
+"""``kvagent bench load --target llama-server`` (``kvagent_bench.server.load.LlamaServerTarget``) on a real llama-server,
 where ``make llama-server`` built it: the prefix holder warms every slot an agent can be pinned to, so an agent's
 first turn on any slot finds the shared prefix cached, as llama-server itself reports it."""
 
@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvagent_server.bench import load
+from kvagent_bench.server import load
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def first_turns(tmp_path: Path, *, warm: bool, slots: int = 2) -> list[load.TurnRecord]:
     """One erratum turn of a fresh agent on each slot (after the holder when ``warm``)."""
-    from kvagent_server.bench.llama_server import missing_reason
+    from kvagent_bench.server.llama_server import missing_reason
 
     if (reason := missing_reason()) is not None:
         pytest.skip(reason)

@@ -1,5 +1,5 @@
-"""The peer benchmark's and the llama-server helper's pure parts (``kvagent_server.bench.peer``,
-``kvagent_server.bench.llama_server``): how the agent is written for llama-server, the summary's ratios, the
+"""The peer benchmark's and the llama-server helper's pure parts (``kvagent_bench.server.peer``,
+``kvagent_bench.server.llama_server``): how the agent is written for llama-server, the summary's ratios, the
 server's command line and the error when it is not built. No server is started here."""
 
 from __future__ import annotations
@@ -11,9 +11,17 @@ from typing import Any
 import pytest
 
 from kvagent.segments import common_prefix
-from kvagent_server.bench import peer
-from kvagent_server.bench.llama_server import (ENV, LlamaServerConfig, LlamaServerMissing, binary, default_path,
-                                               missing_reason)
+from kvagent_bench.server import peer
+from kvagent_bench.server.llama_server import (
+    ENV,
+    LlamaServerConfig,
+    LlamaServerMissing,
+    binary,
+    default_path,
+    missing_reason,
+)
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 @pytest.mark.parametrize(("state", "keeps_policy"), [("first", False), ("last", True)])

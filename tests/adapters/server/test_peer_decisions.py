@@ -1,4 +1,4 @@
-"""The decision benchmark against llama-server (``kvagent_server.bench.peer_decisions``): the changed prompts of
+"""The decision benchmark against llama-server (``kvagent_bench.server.peer_decisions``): the changed prompts of
 each layout, reading a decision from llama-server's top log-probabilities, flips and recoveries, the verdict per
 template; and, where ``make llama-server`` built the server, one real case through every arm."""
 
@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 
-from kvagent.edits.heldout import HELDOUT, make_heldout_cases
 from kvagent.edits.suite import Decider
 from kvagent.segments import SegmentKind
-from kvagent_server.bench import peer_decisions as pd
+from kvagent_bench.edit_heldout import HELDOUT, make_heldout_cases
+from kvagent_bench.server import peer_decisions as pd
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
 
 
 def fields_of(segments: list[Any]) -> list[tuple[int, str, object]]:
@@ -136,7 +138,7 @@ def test_unknown_names_are_refused_before_anything_runs(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from kvagent.engine import Engine
-    from kvagent_server.bench.llama_server import LlamaServer, LlamaServerConfig, missing_reason
+    from kvagent_bench.server.llama_server import LlamaServer, LlamaServerConfig, missing_reason
 
     if (reason := missing_reason()) is not None:
         pytest.skip(reason)

@@ -11,7 +11,6 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-
 from server_helpers import MODEL, free_port, kvagent_serve_args, metric, process, rss_mib
 
 KEY = "test-key-not-secret"
@@ -108,6 +107,7 @@ def test_a_client_that_disconnects_mid_stream_rolls_its_turn_back(server: tuple[
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= before["tokens"] - 1
 
 
+@pytest.mark.e2e  # a soak of 1,000 requests: the full tier
 def test_memory_stays_bounded_over_1000_requests(server: tuple[str, int]) -> None:
     """1,000 one-token requests (keyed and temporary sessions, 8 at a time): after a warm-up of 200, the
     server's resident memory grows by less than 48 MiB, and no request fails."""

@@ -16,9 +16,9 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-
-from kvagent_server.bench.load import LLAMA_SERVER_CACHE
 from server_helpers import MODEL, free_port, process
+
+from kvagent_bench.server.load import LLAMA_SERVER_CACHE
 
 LLAMA_SERVER_DEPS = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
 
@@ -41,7 +41,7 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def llama_cpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """llama.cpp's own llama-server (one slot), or a skip naming ``make llama-server``."""
-    from kvagent_server.bench.llama_server import LlamaServer, LlamaServerConfig, missing_reason
+    from kvagent_bench.server.llama_server import LlamaServer, LlamaServerConfig, missing_reason
 
     reason = missing_reason()
     if reason is not None:
