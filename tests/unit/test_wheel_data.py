@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -43,3 +44,26 @@ def test_an_installed_wheel_finds_its_files(installed: Path, attribute: str, sou
     path, content = Path(out[0]), bytes.fromhex(out[1])
     assert installed in path.parents and not path.is_symlink()
     assert content == (ROOT / source).read_bytes()
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("name", ["chat_filler.json", "tool_requests.json", "memory_chat.json"])
+def test_an_installed_bench_wheel_carries_its_corpora(tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
+    """kvagent-bench built as a wheel and installed alone: its corpora load from the installed package."""
+    target = tmp_path_factory.getbasetemp() / "bench-site"
+    if not target.exists():
+        source, wheels = (tmp_path_factory.mktemp(n) for n in ("bench-source", "bench-wheel"))
+        shutil.copytree(ROOT / "adapters/bench", source, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+        subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
+                       check=True, capture_output=True)
+        (wheel,) = wheels.glob("kvagent_bench-*.whl")
+        subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True,
+                       capture_output=True)
+    code = (f"import sys, json; sys.path.insert(0, {str(target)!r}); from kvagent_bench import data; "
+            f"print(data.__file__); print(json.dumps(data.load_corpus({name!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=target).stdout.split("\n", 1)
+    assert target in Path(out[0]).parents
+    assert json.loads(out[1]) == json.loads((ROOT / "adapters/bench/kvagent_bench/data" / name).read_text())

@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from kvagent_bench.data import load_corpus
+
 NAMES = ("Maya", "Tomas", "Priya", "Jonas", "Elena", "Kofi", "Ingrid", "Mateo", "Aiko", "Lars", "Noor", "Felix")
 VALUES: dict[str, tuple[str, ...]] = {
     "city": ("Porto", "Lisbon", "Dublin", "Vienna", "Krakow", "Seville", "Oslo", "Lyon", "Bristol", "Ghent", "Turin",
@@ -74,53 +76,11 @@ EARLIER = {  # (question, answer prefix) about the value before the update
     "colour": ("What was my favourite colour before?", "Your favourite colour used to be"),
 }
 PET_KIND_QUESTION = ("What kind of animal is my pet?", "Your pet is a")
-SMALL_TALK = (
-    "The weather has been strange lately, sunny in the morning and rain by noon.",
-    "I finally finished the book I was reading, the ending surprised me.",
-    "We had friends over on Saturday and cooked far too much.",
-    "My neighbour is renovating and the drilling starts at seven every day.",
-    "I started walking to work to get a bit more exercise.",
-    "Last weekend I visited my parents, my mother grew tomatoes this year.",
-    "I watched a documentary about deep sea fish, they look like aliens.",
-    "Work has been busy, we have a deadline at the end of the month.",
-    "I tried a new cafe near the station, the coffee was excellent.",
-    "My sister is getting married next spring and I have to give a speech.",
-    "I have been sleeping badly, maybe I drink too much tea in the evening.",
-    "We are planning a trip to the mountains in the autumn.",
-    "I repaired my old bicycle myself, I am quite proud of it.",
-    "The train was late again this morning, forty minutes this time.",
-    "I signed up for an evening course, we meet every Thursday.",
-    "I found an old photo album in the attic, full of pictures from school.",
-    "A friend recommended a podcast about history, it is very good.",
-    "I am trying to learn to cook without recipes, with mixed results.",
-    "The power went out for two hours yesterday, we played cards by candlelight.",
-    "I bought new plants for the balcony, I hope they survive the summer.",
-    "My laptop is getting slow, I might have to replace it soon.",
-    "I met an old classmate at the market, we talked for an hour.",
-    "There was a concert in the park on Sunday, the music was lovely.",
-    "I am saving money for a new sofa, the old one is falling apart.",
-    "I have been trying to drink more water, I set reminders on my phone.",
-    "We adopted a new routine of eating dinner without screens.",
-    "My cousin visited from abroad and brought sweets I had never tried.",
-    "I spent the evening sorting out paperwork, it was boring but necessary.",
-)
-REPLIES = (
-    "That sounds lovely, thanks for telling me.",
-    "I hope it goes well, let me know how it turns out.",
-    "Oh, that must have been quite something!",
-    "Good to hear. Is there anything I can help you with today?",
-    "That makes sense. Take care of yourself.",
-    "Interesting! I will keep that in mind.",
-    "Sounds like a busy week. Remember to rest a bit.",
-    "Nice, it is always good to try something new.",
-    "I understand, that can be frustrating.",
-    "How exciting! Tell me more about it some time.",
-)
-FACT_REPLIES = (
-    "Thanks, I will remember that.",
-    "Noted, I will keep that in my memory.",
-    "Good to know, I have made a note of it.",
-)
+# the user's small talk and the assistant's replies between the facts (written for this benchmark)
+_CHAT = load_corpus("memory_chat.json")
+SMALL_TALK = tuple(_CHAT["small_talk"])
+REPLIES = tuple(_CHAT["replies"])
+FACT_REPLIES = tuple(_CHAT["fact_replies"])
 POLICY = ("You are a personal assistant with a long-term memory. The memory block holds what you know about the user; "
           "the conversation below spans several sessions. Answer briefly and use the most recent information.")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvagent_bench.data import load_corpus
+
 ORDER = {"type": "string", "pattern": "^[A-Z]-[0-9]{4}$", "description": "The order number, e.g. A-1042."}
 CURRENCY = {"type": "string", "pattern": "^[A-Z]{3}$", "description": "ISO 4217 code, e.g. EUR."}
 
@@ -41,68 +43,7 @@ AGENT_TOOLS: list[dict[str, Any]] = [
 ]
 """The agent's tools (OpenAI function dicts): patterns, an enum, a date format, bounded integers, a number."""
 
-REQUESTS: list[tuple[str, str]] = [
-    ("Where is my order B-2291?", "lookup_order"),
-    ("Can you check the status of order A-1042 for me?", "lookup_order"),
-    ("has order C-7730 shipped yet", "lookup_order"),
-    ("I ordered a tent last week, order number D-5012. When will it arrive?", "lookup_order"),
-    ("Track the package for order E-0815 please.", "lookup_order"),
-    ("What's going on with my order F-3344? It's late.", "lookup_order"),
-    ("Look up order G-9001.", "lookup_order"),
-    ("my order number is H-1207, is it still processing?", "lookup_order"),
-    ("Could you tell me whether order K-4410 was delivered?", "lookup_order"),
-    ("Status update on order M-6618, please.", "lookup_order"),
-    ("What's the weather in Lisbon today?", "get_weather"),
-    ("Is it going to rain in Oslo?", "get_weather"),
-    ("How hot is it in Phoenix right now, in fahrenheit?", "get_weather"),
-    ("weather berlin", "get_weather"),
-    ("Do I need a jacket in Edinburgh this evening?", "get_weather"),
-    ("Tell me the temperature in Tokyo in celsius.", "get_weather"),
-    ("What's the forecast for Nairobi?", "get_weather"),
-    ("Is it sunny in Barcelona at the moment?", "get_weather"),
-    ("How cold is Montreal today?", "get_weather"),
-    ("Check the weather for Buenos Aires.", "get_weather"),
-    ("Convert 250 euros to US dollars.", "convert_currency"),
-    ("How much is 100 USD in Japanese yen?", "convert_currency"),
-    ("what's 75 GBP in EUR", "convert_currency"),
-    ("I need to change 1200 Swiss francs into euros, how much do I get?", "convert_currency"),
-    ("Convert 49.99 dollars to Canadian dollars.", "convert_currency"),
-    ("How many Indian rupees is 30 euros?", "convert_currency"),
-    ("Exchange 500 SEK to NOK.", "convert_currency"),
-    ("What is 18 Australian dollars in US dollars?", "convert_currency"),
-    ("Turn ten thousand yen into British pounds.", "convert_currency"),
-    ("How much are 640 Mexican pesos in dollars?", "convert_currency"),
-    ("Schedule a meeting with Dana on 2026-03-12 at 14:00 for 30 minutes.", "create_event"),
-    ("Add 'dentist appointment' to my calendar on 2026-04-02 at 09:30.", "create_event"),
-    ("Put a team standup on March 3rd 2026 at 10:00, 15 minutes.", "create_event"),
-    ("Create an event called Project review on 2026-05-20.", "create_event"),
-    ("Block two hours on 2026-02-27 at 13:00 for focus time.", "create_event"),
-    ("remind me: call mom, 2026-03-01 18:00", "create_event"),
-    ("Book 'Lunch with Sam' on 2026-06-11 at 12:30 for an hour.", "create_event"),
-    ("Set up a calendar entry for the board meeting on 2026-09-15.", "create_event"),
-    ("Can you add a yoga class on 2026-03-08 at 07:00, 60 minutes?", "create_event"),
-    ("New event: quarterly taxes due, 2026-04-15.", "create_event"),
-    ("Open the file notes/todo.txt.", "read_file"),
-    ("Show me the first 20 lines of src/main.py.", "read_file"),
-    ("What's in /etc/hosts?", "read_file"),
-    ("read config.yaml", "read_file"),
-    ("Print the contents of docs/README.md.", "read_file"),
-    ("Can you show me last month's report, reports/2026-01.csv?", "read_file"),
-    ("Display logs/server.log, just 50 lines.", "read_file"),
-    ("I need to see what's written in drafts/letter.txt.", "read_file"),
-    ("Read the file data/customers.json for me.", "read_file"),
-    ("Look at the Makefile and show it to me.", "read_file"),
-    ("What is 17 times 23?", "calculate"),
-    ("Calculate 15% of 240.", "calculate"),
-    ("how much is (48 + 12) / 6", "calculate"),
-    ("What's the square root of 144?", "calculate"),
-    ("Compute 2 to the power of 10.", "calculate"),
-    ("If a bill of 96 is split among 4 people, how much does each pay?", "calculate"),
-    ("What is 1234 minus 567?", "calculate"),
-    ("Work out 3.5 * 12.25 please.", "calculate"),
-    ("What's 7 factorial?", "calculate"),
-    ("Add up 19, 42 and 77.", "calculate"),
-]
+REQUESTS: list[tuple[str, str]] = [(row["request"], row["tool"]) for row in load_corpus("tool_requests.json")]
 """(request, the tool it is meant for): ten per tool."""
 
 def pick_requests(k: int) -> list[tuple[str, str]]:
