@@ -14,21 +14,35 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def build_and_install(source: Path, wheel_glob: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The distribution in ``source`` built as a wheel and installed without dependencies into a folder of its own."""
+    wheels, target = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("site")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(wheels)], check=True,
+                   capture_output=True)
+    (wheel,) = wheels.glob(wheel_glob)
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True, capture_output=True)
+    return target
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """kvagent built as a wheel (from a copy of the checkout: the build leaves its folders where it runs) and
-    installed without dependencies into a folder of its own."""
-    source, wheels, target = (tmp_path_factory.mktemp(name) for name in ("source", "wheel", "site"))
+    """kvagent, built from a copy of the checkout (the build leaves its folders where it runs)."""
+    source = tmp_path_factory.mktemp("source")
     for part in ("kvagent", "skills", "native"):  # the package, and what its links point at
         shutil.copytree(ROOT / part, source / part, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     for part in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / part, source / part)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(wheels)], check=True,
-                   capture_output=True)
-    (wheel,) = wheels.glob("kvagent-*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True, capture_output=True)
-    return target
+    return build_and_install(source, "kvagent-*.whl", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def installed_bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kvagent-bench, built from a copy of adapters/bench and installed alone."""
+    source = tmp_path_factory.mktemp("bench-source")
+    shutil.copytree(ROOT / "adapters/bench", source, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    return build_and_install(source, "kvagent_bench-*.whl", tmp_path_factory)
 
 
 @pytest.mark.parametrize(("attribute", "source"), [
@@ -48,22 +62,11 @@ def test_an_installed_wheel_finds_its_files(installed: Path, attribute: str, sou
 
 @pytest.mark.bench
 @pytest.mark.parametrize("name", ["chat_filler.json", "tool_requests.json", "memory_chat.json"])
-def test_an_installed_bench_wheel_carries_its_corpora(tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
-    """kvagent-bench built as a wheel and installed alone: its corpora load from the installed package."""
-    target = tmp_path_factory.getbasetemp() / "bench-site"
-    if not target.exists():
-        source, wheels = (tmp_path_factory.mktemp(n) for n in ("bench-source", "bench-wheel"))
-        shutil.copytree(ROOT / "adapters/bench", source, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
-        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-        subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
-                       check=True, capture_output=True)
-        (wheel,) = wheels.glob("kvagent_bench-*.whl")
-        subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True,
-                       capture_output=True)
-    code = (f"import sys, json; sys.path.insert(0, {str(target)!r}); from kvagent_bench import data; "
+def test_an_installed_bench_wheel_carries_its_corpora(installed_bench: Path, name: str) -> None:
+    """Its corpora load from the installed package."""
+    code = (f"import sys, json; sys.path.insert(0, {str(installed_bench)!r}); from kvagent_bench import data; "
             f"print(data.__file__); print(json.dumps(data.load_corpus({name!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=target).stdout.split("\n", 1)
-    assert target in Path(out[0]).parents
+                         cwd=installed_bench).stdout.split("\n", 1)
+    assert installed_bench in Path(out[0]).parents
     assert json.loads(out[1]) == json.loads((ROOT / "adapters/bench/kvagent_bench/data" / name).read_text())
