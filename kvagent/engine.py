@@ -31,6 +31,7 @@ from kvagent.segments import Renderer, Segment
 
 if TYPE_CHECKING:
     from kvagent.edits import EditStrategy
+    from kvagent.edits.implicit import CalibratedSplice
     from kvagent.eviction import Eviction
     from kvagent.fields import FieldSpec
     from kvagent.session import Session
@@ -198,6 +199,7 @@ class Engine:
         eviction: Eviction | None = None,
         scope: str = "",
         skills: SkillLibrary | None = None,
+        implicit_edits: CalibratedSplice | None = None,
     ) -> Session:
         """Open a session on a free sequence.
 
@@ -213,17 +215,20 @@ class Engine:
         ``scope`` (a tenant, as vLLM's ``cache_salt``): the session shares cached prefixes only with sessions of
         the same scope, both ways, and renders with that scope's own tokenizing memo, so neither its
         ``reused`` counts nor its timing depend on another scope's prompts. ``skills``: the library its skill
-        spans are looked up in and compiled into (default: the engine's, :attr:`skills`).
+        spans are looked up in and compiled into (default: the engine's, :attr:`skills`). ``implicit_edits``: when a
+        resent prompt's changes are spliced in place (``kvagent.edits.implicit.CalibratedSplice``, the default: where
+        the model's calibration says splices hold, up to its thresholds).
         """
         return self.scheduler.run(None, self.session_work(
             segments, chat=chat, fields=fields, edit_strategy=edit_strategy, compact_after=compact_after,
-            share_prefix=share_prefix, fidelity=fidelity, eviction=eviction, scope=scope, skills=skills))
+            share_prefix=share_prefix, fidelity=fidelity, eviction=eviction, scope=scope, skills=skills,
+            implicit_edits=implicit_edits))
 
     def session_work(
         self, segments: Iterable[Segment] = (), *, chat: bool = True, fields: Sequence[FieldSpec] = (),
         edit_strategy: str | EditStrategy = "auto", compact_after: int | None = None, share_prefix: bool = True,
         fidelity: FidelityGuard | None = None, eviction: Eviction | None = None, scope: str = "",
-        skills: SkillLibrary | None = None,
+        skills: SkillLibrary | None = None, implicit_edits: CalibratedSplice | None = None,
     ) -> Work[Session]:
         """:meth:`session` as a unit of work (run on the scheduler: taking a sequence is a native call)."""
         from kvagent.eviction import Evictor
@@ -240,6 +245,7 @@ class Engine:
                 cache, self.scheduler, renderer, list(segments), skills=library,
                 fingerprint=self.fingerprint, on_close=self._release, fields=fields, edit_strategy=edit_strategy,
                 compact_after=compact_after, share_prefix=share_prefix, fidelity=fidelity,
+                implicit_edits=implicit_edits,
             )
         except Exception:  # a refused argument must not leak the sequence
             self.pool.release(seq)

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.kv.work import PAUSE, DecodeStep, Work
-from kvagent.kv.sync import PrefillReport
+from kvagent.kv.sync import ImplicitEdit, PrefillReport
 from kvagent.sampling import Sampler
 from kvagent.segments import Rendered, Renderer, Segment, SegmentKind, common_prefix
 from kvagent.textstream import TextAssembler
@@ -60,6 +60,7 @@ class Generation:
     transplanted: int = 0  # prompt tokens whose KV came from compiled skills
     prefix: str = ""  # the answer prefix the turn was started from
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the turn made (``finish_reason`` ``tool_calls``)
+    edits: tuple[ImplicitEdit, ...] = ()  # what a resent prompt's changes became (``kv.rebase``)
 
     @property
     def generated(self) -> int:
@@ -98,6 +99,7 @@ class TurnHost(Protocol):
     def segments(self) -> tuple[Segment, ...]: ...
     def sync_work(self, rendered: Rendered) -> Work[PrefillReport]: ...
     def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]: ...
+    def rebase_work(self, rendered: Rendered) -> Work[PrefillReport]: ...
     def restore_segments(self, segments: Sequence[Segment]) -> None: ...
     replies: ReplyTokens
 
@@ -157,7 +159,8 @@ class Decoder:
         pending = Segment(SegmentKind.TURN, self.prefix, role="assistant", complete=False)
         rendered = host.renderer.render([*self._before, pending])  # validates before anything changes
         self._rendered = rendered
-        self._report = yield from host.sync_work(rendered)
+        # a resent prompt (base) is edited where it changed; an extended one is synced from its common prefix
+        self._report = yield from (host.rebase_work(rendered) if self.base is not None else host.sync_work(rendered))
         self._reserve = 1 + host.renderer.closing_length("assistant")  # a finished turn always fits
         self._logits = host.cache.logits
 
@@ -244,7 +247,7 @@ class Decoder:
         yield from host.replace_work([*self._before, turn])
         r = self._report
         return Generation(text, tuple(self.ids), self.finish_reason, r.reused, r.computed, self.ttft,
-                          time.perf_counter() - self._start, r.transplanted, self.prefix, self.calls)
+                          time.perf_counter() - self._start, r.transplanted, self.prefix, self.calls, r.edits)
 
     def abort(self) -> None:
         """Roll the call back: the prompt is what it was before it, and the cache holds no token beyond the

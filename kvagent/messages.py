@@ -11,13 +11,17 @@ otherwise the prompt is rebuilt with the current field values folded into the fi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 from kvagent.errors import SegmentOrderError
 from kvagent.segments import Segment, SegmentKind
 from kvagent.tools.format import ToolCall, render_calls, result_segment
+
+if TYPE_CHECKING:
+    from kvagent.generation import Generation
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -68,19 +72,44 @@ def is_message_segment(segment: Segment) -> bool:
     return segment.id.startswith(_PREFIX)
 
 
-class MessageLog:
-    """The messages a session's prompt holds, and how to bring that prompt to a new message list.
+def logged_reply(gen: Generation, ids: Sequence[str] = ()) -> ChatMessage:
+    """A generated turn as the client will send it back: its calls (with the ``ids`` it was given, in order) and no
+    text, else its text; what the log holds, so the resent history matches it."""
+    if gen.tool_calls:
+        calls = tuple(dataclasses.replace(c, id=ids[k]) if k < len(ids) else c for k, c in enumerate(gen.tool_calls))
+        return ChatMessage("assistant", "", tool_calls=calls)
+    return ChatMessage("assistant", gen.prefix + gen.text)
 
-    ``static`` are the segments an adapter adds itself (skills, declared fields): they follow the leading
-    system messages and precede the turns.
+
+def _described(segments: Sequence[Segment]) -> list[tuple[str, str]]:
+    return [(s.id, s.text) for s in segments]
+
+
+class MessageLog:
+    """The messages a session's prompt holds, and how to bring that prompt to a new message list: the one place
+    both adapters (the server, LangChain) plan a turn and log its reply.
+
+    ``static`` are the segments an adapter adds itself (skills, declared fields, the bound tools): they follow the
+    leading system messages and precede the turns. A prompt that changed inside (a clock line, a cleared tool
+    result) is planned like any other; the session edits it in place when the turn syncs (``Session.resend``).
     """
 
     def __init__(self) -> None:
         self.messages: list[ChatMessage] = []
+        self.tools: list[Segment] = []
+
+    def bind_tools(self, tools: Sequence[Segment]) -> bool:
+        """Take the call's tool segments; True when they differ from the last call's (by id and text): the prompt's
+        static part changes, so the next plan rebuilds from the messages instead of extending the old prompt."""
+        if _described(tools) == _described(self.tools):
+            return False
+        self.commit([])
+        self.tools = list(tools)
+        return True
 
     def plan(self, current: Sequence[Segment], messages: Sequence[ChatMessage], static: Sequence[Segment]) -> list[Segment]:
-        """The prompt for ``messages`` given the session's ``current`` segments (call :meth:`commit` once the
-        session holds it)."""
+        """The prompt for ``messages`` given the session's ``current`` segments (call :meth:`commit` or :meth:`record`
+        once the session holds it)."""
         messages = list(messages)
         held = self.messages
         if held and messages[: len(held)] == held and any(is_message_segment(s) for s in current):
@@ -101,3 +130,10 @@ class MessageLog:
 
     def commit(self, messages: Sequence[ChatMessage]) -> None:
         self.messages = list(messages)
+
+    def record(self, messages: Sequence[ChatMessage], gen: Generation, call_ids: Sequence[str] = ()) -> ChatMessage:
+        """The turn is in the session: ``messages`` and the generated reply (:func:`logged_reply`) are what its prompt
+        holds. Returns the logged reply."""
+        reply = logged_reply(gen, call_ids)
+        self.commit([*messages, reply])
+        return reply

@@ -21,17 +21,20 @@ import numpy as np
 
 from kvagent.chat_format import ChatFormat
 from kvagent.edits import EditReport, EditStrategy, get_strategy
+from kvagent.edits.implicit import CalibratedSplice, field_name
 from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedError
 from kvagent.fields import check_changes
 from kvagent.generation import Decoder, Generation, GenerationStream, ReplyTokens, generation_work, start_stream
 from kvagent.kv.persist import restore_blob, save_blob
 from kvagent.kv.sequence import CachedSequence
+from kvagent.kv.rebase import rebase
 from kvagent.kv.splice import Refresh, splice_field, splice_refusal
 from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport, sync
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
 from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix
+from kvagent.tools.format import OPEN as TOOL_CALL_OPEN
 from kvagent.tools.spec import ToolSet
 
 if TYPE_CHECKING:
@@ -62,6 +65,7 @@ class Session:
         skills: Callable[[], SkillLibrary], fingerprint: str, on_close: Callable[[Session], None],
         fields: Sequence[FieldSpec] = (), edit_strategy: str | EditStrategy = "auto",
         compact_after: int | None = None, share_prefix: bool = True, fidelity: FidelityGuard | None = None,
+        implicit_edits: CalibratedSplice | None = None,
     ) -> None:
         if compact_after is not None and compact_after < 1:
             raise ValueError(f"compact_after must be >= 1 (or None to never compact), got {compact_after}")
@@ -76,6 +80,8 @@ class Session:
         self._compact_after, self._share_prefix, self._fidelity = compact_after, share_prefix, fidelity
         self._stream: tuple[Job, weakref.ref[GenerationStream]] | None = None
         self._warned: set[str] = set()  # fallback reasons already logged at WARNING
+        self._implicit = implicit_edits if implicit_edits is not None else CalibratedSplice()
+        self._discovered: dict[str, int] = {}
 
     # -- state ------------------------------------------------------------------------------------
     seq = property(lambda self: self.cache.seq, doc="The backend sequence id this session's KV lives in.")
@@ -169,6 +175,42 @@ class Session:
         return sync(self.cache, rendered, skills=library, renderer_sink=lambda: library.sink(self.renderer),
                     share_prefix=self._share_prefix, fidelity=self._fidelity)
 
+    def rebase_work(self, rendered: Rendered) -> Work[PrefillReport]:
+        """Bring the cache to ``rendered``, a prompt a client resent whole: the regions that changed inside it are
+        edited in place where this model's calibration says splices hold (``kv.rebase``), the rest synced as usual.
+        The report's ``edits`` say what was done; a region edited turn after turn becomes a discovered field."""
+        if not self._segments:  # nothing rendered yet: nothing to edit
+            return (yield from self.sync_work(rendered))
+        backend = self.cache.backend
+
+        def detokenize(tokens: tuple[int, ...]) -> str:
+            return b"".join(backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+        by_id = {seg.id: seg for seg in self._segments}
+
+        def frozen(span: Span) -> str | None:
+            seg = by_id.get(span.segment_id)
+            if seg is not None and seg.role == "assistant" and TOOL_CALL_OPEN in seg.text:
+                return "a change inside an assistant turn that called tools (its calls are the model's own tokens)"
+            return None
+
+        policy = self._implicit
+        why = policy.recompute_because(self.model_fingerprint, self.prompt_format)
+        report = yield from rebase(self.cache, self.rendered, rendered, sync=self.sync_work, recompute_because=why,
+                                   detokenize=detokenize, frozen=frozen, max_share=policy.max_share,
+                                   max_edits=policy.max_edits)
+        for edit in report.edits:
+            if edit.kind != "fallback":
+                name = field_name(edit.line)
+                self._discovered[name] = self._discovered.get(name, 0) + 1
+        return report
+
+    @property
+    def discovered_fields(self) -> dict[str, int]:
+        """Regions of a resent prompt that changed in more than one turn (named after their line, :func:`
+        kvagent.edits.implicit.field_name`) -> how many turns edited them."""
+        return {name: n for name, n in self._discovered.items() if n > 1}
+
     def restore_segments(self, segments: Sequence[Segment]) -> None:
         self._segments, self._rendered = list(segments), None
 
@@ -178,10 +220,18 @@ class Session:
         return (yield from self.sync_work(self.rendered))
 
     def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]:
+        return (yield from self._become_work(segments, self.sync_work))
+
+    def resend_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]:
+        return (yield from self._become_work(segments, self.rebase_work))
+
+    def _become_work(self, segments: Sequence[Segment],
+                     bring: Callable[[Rendered], Work[PrefillReport]]) -> Work[PrefillReport]:
+        """Make ``segments`` the prompt, the cache brought to it by ``bring`` (a sync, or a rebase)."""
         self._check_open()
         segments = [self.replies.resolve(s) for s in segments]
         rendered = self.renderer.render(segments)  # validates before anything changes
-        report = yield from self.sync_work(rendered)
+        report = yield from bring(rendered)
         self._segments, self._rendered = segments, rendered
         return report
 
@@ -204,6 +254,12 @@ class Session:
     def replace(self, segments: Sequence[Segment]) -> PrefillReport:
         """Make ``segments`` the whole prompt; the longest cached prefix is reused, the rest computed."""
         return self.run(self.replace_work(segments))
+
+    def resend(self, segments: Sequence[Segment]) -> PrefillReport:
+        """Make ``segments`` the whole prompt as a client that resends it does: the regions that changed are edited
+        in place where the model's calibration says splices hold, the rest computed (:meth:`rebase_work`); the
+        report's ``edits`` say what was done. :meth:`replace` recomputes from the first change instead."""
+        return self.run(self.resend_work(segments))
 
     def include(self, skill: SkillSpec) -> PrefillReport:
         """Place a skill at the end of the prompt: compiled once per model, then transplanted (not prefilled).

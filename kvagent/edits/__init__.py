@@ -5,7 +5,8 @@ arXiv:2606.17107, https://arxiv.org/abs/2606.17107).
 (a shipped calibration table; on both shipped models it runs ``field_only`` where the splice can be exact);
 ``erratum`` appends a state-update line; ``recompute`` rebuilds from the field (the oracle); ``field_only``
 rewrites only the field's KV; ``selective`` rewrites the field and the top-K downstream positions by causal
-effect; ``combined`` rewrites the field as ``field_only`` does and appends the erratum. Each is a unit of work
+effect; ``combined`` rewrites the field as ``field_only`` does and appends the erratum; ``implicit`` is what a client
+that resends its whole prompt gets (the changed region found by a diff and spliced where ``auto`` would splice). Each is a unit of work
 (``EditStrategy.apply`` yields to the scheduler like a decode).
 """
 
@@ -16,6 +17,7 @@ from kvagent.edits.base import EditReport, EditStrategy
 from kvagent.edits.combined import Combined
 from kvagent.edits.erratum import Erratum
 from kvagent.edits.field_only import FieldOnly
+from kvagent.edits.implicit import Implicit
 from kvagent.edits.recompute import Recompute
 from kvagent.edits.selective import Selective
 from kvagent.errors import KVAgentError
@@ -27,6 +29,7 @@ STRATEGIES: dict[str, type[EditStrategy]] = {
     "selective": Selective,
     "combined": Combined,
     "auto": Auto,
+    "implicit": Implicit,
 }
 
 
@@ -40,4 +43,4 @@ def get_strategy(strategy: str | EditStrategy) -> EditStrategy:
         raise KVAgentError(f"unknown edit strategy {strategy!r}: use one of {', '.join(STRATEGIES)}") from None
 
 
-__all__ = ["STRATEGIES", "Auto", "Combined", "EditReport", "EditStrategy", "Erratum", "FieldOnly", "Recompute", "Selective", "get_strategy"]
+__all__ = ["STRATEGIES", "Auto", "Combined", "EditReport", "EditStrategy", "Erratum", "FieldOnly", "Implicit", "Recompute", "Selective", "get_strategy"]

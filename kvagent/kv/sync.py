@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.kv.plan import Run, plan_runs
@@ -25,6 +25,32 @@ if TYPE_CHECKING:
     from kvagent.skills.library import CompiledSkill, SkillLibrary
 
 log = logging.getLogger(__name__)
+
+ImplicitKind = Literal["replace", "delete", "insert", "fallback"]
+
+
+@dataclass(frozen=True)
+class ImplicitEdit:
+    """One changed region of a resent prompt and what was done with it.
+
+    ``kind``: ``replace`` / ``delete`` / ``insert`` (spliced in place), or ``fallback`` (recomputed from
+    ``new_first`` on, ``reason`` says why). Positions: the old prompt's ``old_first..old_end-1`` became the new
+    prompt's ``new_first..new_end-1``. ``computed``: tokens decoded for it; ``line``: the new prompt's line it
+    starts in (for a person, and for naming a region that changes turn after turn)."""
+
+    kind: ImplicitKind
+    old_first: int
+    old_end: int
+    new_first: int
+    new_end: int
+    computed: int
+    line: str = ""
+    reason: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """What the adapters report (the server's ``usage.kvagent_edits``, LangChain's ``response_metadata``)."""
+        return {"kind": self.kind, "old": [self.old_first, self.old_end], "new": [self.new_first, self.new_end],
+                "computed": self.computed, "line": self.line, "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -39,6 +65,7 @@ class PrefillReport:
     fidelity: float | None = None  # logit_cosine vs a recompute, when the fidelity guard checked this sync
     fell_back: bool = False  # the guard found the transplant too far off and adopted the recompute
     recomputed_because: str | None = None  # a splice that could not be exact recomputed from the field: why
+    edits: tuple[ImplicitEdit, ...] = ()  # a resent prompt's changed regions and what was done (``kv.rebase``)
 
 
 def check_fits(n_tokens: int, n_ctx: int, can_evict: bool) -> None:

@@ -32,6 +32,9 @@ def bench_edit(
                                    "short (four sentences after the record), long (about 2,000 tokens)."),
     long_cases: int = typer.Option(8, help="Cases per held-out template and format with the long downstream."),
     latency_tokens: int = typer.Option(2700, help="Context of the latency rows (0: none; 1,000 with --quick)."),
+    strategies: str = typer.Option(",".join(("erratum", "field_only", "selective", "combined", "auto", "implicit",
+                                             "recompute")), "--strategies",
+                                   help="Edit strategies, comma-separated (recompute, the oracle, always runs)."),
 ) -> None:
     """Every edit strategy against a full recompute: recovery on flips, edit-to-first-token vs re-prefill."""
     from rich.progress import Progress
@@ -51,6 +54,11 @@ def bench_edit(
     if not downstreams or set(downstreams) - {"short", "long"}:
         console.print(f"[red]error:[/] unknown downstream {downstream!r}: use short, long or both comma-separated")
         raise typer.Exit(2)
+    chosen = [s.strip() for s in strategies.split(",") if s.strip()]
+    if set(chosen) - set(edit.STRATEGIES):
+        console.print(f"[red]error:[/] unknown strategies {strategies!r}: use {', '.join(edit.STRATEGIES)}")
+        raise typer.Exit(2)
+    chosen = [s for s in edit.STRATEGIES if s in chosen or s == "recompute"]
     n_cases, latency_tokens, reps = (6, min(latency_tokens, 1000), 1) if quick else (cases, latency_tokens, 3)
     test_cases, long_cases = (12, min(long_cases, 2)) if quick else (None, long_cases)
     with Progress(console=console, transient=True) as progress:
@@ -58,7 +66,7 @@ def bench_edit(
         rows = edit.run(
             model_names(model), n_cases, latency_tokens, reps, json_path, command_line(),
             progress=lambda msg: progress.update(task, description=msg), splits=splits, formats=fmts,
-            downstreams=downstreams, long_cases=long_cases, test_cases=test_cases,
+            downstreams=downstreams, long_cases=long_cases, test_cases=test_cases, strategies=chosen,
         )
     plot_path = json_path.with_suffix(".png")
     edit.plot(rows, plot_path)
@@ -420,7 +428,89 @@ def bench_recompute(
                  for r in rows if r["kind"] != "compile"])
 
 
+@app.command("agents")
+def bench_agents(
+    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m or gemma3-270m."),
+    targets: str = typer.Option("kvagent,llama-server,llama-cpp-python", help="Engines, comma-separated: kvagent "
+                                "(kvagent serve), llama-server (llama.cpp's server, `make llama-server`; two arms: "
+                                "prompt cache, and --cache-reuse 256), llama-cpp-python (in process)."),
+    traces: str = typer.Option("clock,memory,cleared,summary,tools", help="Agent traces, comma-separated."),
+    turns: int = typer.Option(8, min=1, max=8, help="Turns of each trace (the first is cold)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
+                                   "bench/results/agents-<model>.json; rows of other arms and traces are kept)."),
+) -> None:
+    """Agents that change their own prompt between turns (the time line, a memory block, cleared tool results, a
+    summary, the tools bound), sent through the openai client: prompt tokens each engine computes and TTFT per turn."""
+    from kvagent.models import REGISTRY
+    from kvagent_bench import agents
+
+    if model not in REGISTRY:
+        console.print(f"[red]error:[/] unknown model {model!r}: use {', '.join(REGISTRY)}")
+        raise typer.Exit(2)
+    json_path = json_path or agents.default_json(model)
+    names = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    with console.status("agents benchmark") as status:
+        try:
+            doc = agents.run(model, names(targets), names(traces), turns, json_path, command_line(),
+                             progress=lambda m: status.update(m), log=lambda m: console.print(m))
+        except ValueError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from exc
+    plot_path = json_path.with_suffix(".png")
+    agents.plot(doc["rows"], plot_path, model)
+    fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
+    table = [[arm, name, " ".join(str(c) for c in v["computed_per_turn"]), fmt(v["computed_median"], ".0f"),
+              fmt(v["cached_share_median"], ".2f"), fmt(v["ttft_s_median"] * 1e3, ".0f"),
+              fmt(v.get("ttft_vs_kvagent"), ".1f"), fmt(v["cold_ttft_s"] * 1e3 if v["cold_ttft_s"] else None, ".0f")]
+             for arm, per in doc["summary"].items() for name, v in per.items() if name != "all"]
+    print_table(f"tokens computed and TTFT per turn, {model} ({json_path}, {plot_path})",
+                ("arm", "trace", "computed per turn", "median computed", "cached share", "TTFT ms",
+                 "TTFT / kvagent's", "cold TTFT ms"), table)
+    console.print("medians over the changed turns (1 on); computed = prompt_tokens - cached_tokens as each engine "
+                  "reports them")
+    for key, message in doc["errors"].items():
+        console.print(f"[red]{key}:[/] {message[:300]}")
+
+
 # the benchmarks that run kvagent's server (and llama.cpp's) on 127.0.0.1
 app.command("load")(server_cli.bench_load)
 app.command("peer")(server_cli.bench_peer)
 app.command("peer-decisions")(server_cli.bench_peer_decisions)
+
+
+@app.command("implicit")
+def bench_implicit(
+    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m or gemma3-270m."),
+    traces: str = typer.Option("clock,memory,cleared,summary,tools", help="Agent traces, comma-separated."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
+                                   "bench/results/implicit-<model>.json)."),
+) -> None:
+    """Implicit edits in process: fidelity on the agents traces against a cold prefill next to the cache's own noise
+    floor (turns 1, 4 and 7), splice vs recompute as the changed share grows, and the diff's cost on 100k characters."""
+    from kvagent.models import REGISTRY
+    from kvagent_bench import implicit
+
+    if model not in REGISTRY:
+        console.print(f"[red]error:[/] unknown model {model!r}: use {', '.join(REGISTRY)}")
+        raise typer.Exit(2)
+    chosen = [x.strip() for x in traces.split(",") if x.strip()]
+    if not chosen or set(chosen) - set(implicit.TRACES):
+        console.print(f"[red]error:[/] unknown traces {traces!r}: use {', '.join(implicit.TRACES)}")
+        raise typer.Exit(2)
+    json_path = json_path or implicit.default_json(model)
+    with console.status("implicit edits") as status:
+        doc = implicit.run(model, chosen, json_path, command_line(), progress=lambda m: status.update(m))
+    print_table(f"implicit edits vs a cold prefill, {model} ({json_path})",
+                ("trace", "measured turns", "median cosine", "median noise floor", "median - floor", "min cosine",
+                 "top-1 agrees"),
+                [[name, str(v["n"]), f"{v['cosine_median']:.5f}", f"{v['noise_floor_median']:.5f}",
+                  f"{v['median_minus_floor']:+.5f}", f"{v['cosine_min']:.5f}", f"{v['top1_agreement']:.2f}"]
+                 for name, v in doc["summary"].items()])
+    print_table("splice vs recompute as the changed share of what follows grows",
+                ("changed share", "splice s", "recompute s", "splice computed", "recompute computed"),
+                [[f"{r['share']:.2f}", f"{r['splice_s']:.3f}", f"{r['recompute_s']:.3f}", str(r["splice_computed"]),
+                  str(r["recompute_computed"])] for r in doc["crossover"]])
+    cost = doc["diff_cost"]
+    console.print(f"diff of a {cost['chars']:,}-character prompt ({cost['old_tokens']:,} tokens): {cost['hunks']} "
+                  f"regions in {cost['align_s'] * 1e3:.0f} ms; a cold prefill of {cost['prefill_tokens']:,} tokens: "
+                  f"{cost['prefill_s']:.1f} s")

@@ -6,13 +6,27 @@ measurement commands outside the benchmarks use them too) and are re-exported he
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from kvagent.results import RESULTS_DIR, machine, write_json
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A results file's JSON, or ``{}`` when it is missing or unreadable (a run that rewrites part of it starts afresh)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def median(values: Sequence[float]) -> float:
@@ -124,5 +138,5 @@ def paired_ratio_interval(groups: Sequence[tuple[Sequence[bool], Sequence[bool]]
     return float(low), float(high)
 
 
-__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "cluster_bootstrap_interval", "machine", "mcnemar_exact", "median",
+__all__ = ["RESULTS_DIR", "bootstrap_perplexity_interval", "read_results", "cluster_bootstrap_interval", "machine", "mcnemar_exact", "median",
            "paired_ratio_interval", "wilson_interval", "write_json"]

@@ -32,7 +32,7 @@ from kvagent_bench.edit_heldout import DOWNSTREAMS, FORMATS, SPLITS, split_cases
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("erratum", "field_only", "selective", "combined", "auto", "recompute")
+STRATEGIES = ("erratum", "field_only", "selective", "combined", "auto", "implicit", "recompute")
 NEAR_TIE = 1.0
 
 
@@ -195,12 +195,14 @@ def run(
     command: str, progress: Callable[[str], None] = lambda _: None,
     splits: Iterable[str] = ("calibration",), formats: Iterable[str] = ("plain",),
     downstreams: Iterable[str] = ("short",), long_cases: int = 8, test_cases: int | None = None,
+    strategies: Iterable[str] = STRATEGIES,
 ) -> list[dict[str, Any]]:
     """Every strategy on ``n_cases`` cases per template of each split and format (and ``long_cases`` per
     template with the held-out split's ~2,000-token ``long`` downstream, when ``downstreams`` names it; the
     calibration split has short cases only; ``test_cases``, when given, replaces ``n_cases`` on the held-out
     split's short cases), then the latency rows (``latency_tokens`` 0: none)."""
     rows: list[dict[str, Any]] = []
+    strategies = tuple(strategies)
     selective_k: dict[str, Any] = {}
     splits, formats, downstreams = list(splits), list(formats), list(downstreams)
     for bad, known in ((set(splits) - set(SPLITS), SPLITS), (set(formats) - set(FORMATS), FORMATS),
@@ -223,13 +225,13 @@ def run(
                         with engine.session(share_prefix=False, chat=fmt == "chat") as session:
                             for i, case in enumerate(cases):
                                 truth = template.answer({**case.before, **case.changes})
-                                results.append(run_case(engine, session, case, decide, STRATEGIES, truth))
+                                results.append(run_case(engine, session, case, decide, strategies, truth))
                                 progress(f"{model} {split} {fmt} {downstream} {name} {i + 1}/{len(cases)}")
-                        rows += summarise(model, name, results, STRATEGIES, split, fmt, downstream)
+                        rows += summarise(model, name, results, strategies, split, fmt, downstream)
                         write_json(json_path, command, rows, near_tie_logits=NEAR_TIE, selective=selective_k)
             if latency_tokens:
                 progress(f"{model} latency at {latency_tokens} tokens")
-                rows += latency_rows(engine, model, latency_tokens, latency_reps, STRATEGIES)
+                rows += latency_rows(engine, model, latency_tokens, latency_reps, strategies)
         write_json(json_path, command, rows, near_tie_logits=NEAR_TIE, selective=selective_k)
     return rows
 
@@ -242,10 +244,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     key = lambda r: (r["model"], r.get("split", "calibration"), r.get("format", "plain"), r.get("downstream", "short"), r["template"])  # noqa: E731
-    groups = [key(r) for r in rows if r["recovery"] is not None and r["strategy"] == "erratum"]
+    shown = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    groups = [key(r) for r in rows if r["recovery"] is not None and r["strategy"] == "recompute"]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
-    width = 0.8 / len(STRATEGIES)
-    for j, strategy in enumerate(STRATEGIES):
+    width = 0.8 / len(shown)
+    for j, strategy in enumerate(shown):
         values = []
         for group in groups:
             row = next(r for r in rows if key(r) == group and r["strategy"] == strategy)

@@ -178,7 +178,7 @@ def parse_call(model: Any, messages: list[BaseMessage], stop: list[str] | None, 
 def metadata(model_name: str, gen: Generation, turn: Turn, key: str) -> dict[str, Any]:
     return {"model_name": model_name, "finish_reason": gen.finish_reason, "session_id": key,
             "reused": turn.reused, "computed": turn.computed, "transplanted": turn.transplanted,
-            "ttft_s": round(turn.ttft_s, 6)}
+            "ttft_s": round(turn.ttft_s, 6), "edits": [e.as_dict() for e in gen.edits]}
 
 
 def chat_result(model_name: str, gen: Generation, turn: Turn, key: str) -> ChatResult:

@@ -253,6 +253,8 @@ class DesktopAgent(App[None]):
             name = (seg.name or seg.role) if seg is not None else span.segment_id
             spans.add_row(str(i), span.kind.value, str(name), f"{span.first}-{span.last}", str(len(kept)),
                           str(span.length - len(kept)))
+        for name, turns_edited in session.discovered_fields.items():  # regions the resent prompts kept changing
+            spans.add_row("-", "discovered", name, f"edited in {turns_edited} turns", "", "")
 
 
 def parse_fields(items: Sequence[str]) -> list[FieldSpec]:

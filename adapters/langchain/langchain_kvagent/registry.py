@@ -101,7 +101,6 @@ class SessionEntry(TableEntry):
     values: dict[str, object] = field(default_factory=dict)
     prologue: list[Segment] | None = None
     skills: list[Segment] = field(default_factory=list)
-    tools: list[Segment] = field(default_factory=list)
     eviction: Eviction | None = None
     memory: Memory | None = None
     """The session's memory blocks (``kvagent.memory``; a tail's values live here)."""
@@ -128,16 +127,14 @@ class SessionEntry(TableEntry):
     def static(self) -> list[Segment]:
         """Segments the adapter adds after the leading system messages: policy, skills, the bound tools, fields."""
         fields = [spec.segment(self.values.get(spec.name, spec.initial)) for spec in self.specs]
-        return [*(self.prologue or []), *self.skills, *self.tools, *fields]
+        return [*(self.prologue or []), *self.skills, *self.log.tools, *fields]
 
     def plan(self, messages: Sequence[ChatMessage], max_tokens: int,
              tools: Sequence[Segment] = ()) -> tuple[list[Segment], int]:
         """The prompt for ``messages`` (the history the client resent) with the call's ``tools`` segments after the
         chat model's own (a changed tool set rebuilds the prompt from there), and the reply budget that fits the
         context (``Session.fit``: refused before anything changes when no reply fits)."""
-        if [s.id for s in tools] != [s.id for s in self.tools] or [s.text for s in tools] != [s.text for s in self.tools]:
-            self.log.commit([])  # the static part changes: no fast path over the old prompt
-        self.tools = list(tools)
+        self.log.bind_tools(tools)  # a changed tool set: the static part changes, no fast path over the old prompt
         segments = self.log.plan(self.live.segments, messages, self.static())
         if self.memory is not None and self.memory.position == "tail":  # after the trajectory, wherever it was
             segments = [*(s for s in segments if not self.memory.is_memory(s)), *self.memory.segments()]
@@ -146,9 +143,7 @@ class SessionEntry(TableEntry):
     def commit(self, messages: Sequence[ChatMessage], gen: Generation) -> Turn:
         """The generation's reply joins the history (a tool-call turn as its calls, as the client resends it);
         returns the turn's cost."""
-        reply = (ChatMessage("assistant", "", tool_calls=gen.tool_calls) if gen.tool_calls
-                 else ChatMessage("assistant", gen.prefix + gen.text))
-        self.log.commit([*messages, reply])
+        self.log.record(messages, gen)
         turn = Turn.of(gen, self.pending_computed, self.pending_transplanted)
         self.pending_computed = self.pending_transplanted = 0
         self.turns.append(turn)

@@ -42,7 +42,7 @@ from kvagent_server.sessions import SESSION, Entry
 from kvagent_server.sessions_api import check_chars
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import Tenant
-from kvagent_server.tools import NO_TOOLS, StreamedCalls, TurnTools, chat_messages, logged_reply, reply_message, turn_tools
+from kvagent_server.tools import NO_TOOLS, StreamedCalls, TurnTools, chat_messages, reply_message, turn_tools
 
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class Turn:
     max_tokens: int
     sampling: dict[str, Any]
     tools: TurnTools = NO_TOOLS
+    report_edits: bool = False  # the request asked for the extension field ``usage.kvagent_edits``
 
     @property
     def options(self) -> dict[str, Any]:
@@ -119,10 +120,6 @@ def check_request(state: ServerState, body: ChatRequest) -> list[ChatMessage]:
     return chat_messages(body.messages)
 
 
-def _described(segments: Any) -> list[tuple[str, str]]:
-    return [(s.id, s.text) for s in segments]
-
-
 def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: ChatRequest,
         tools: TurnTools = NO_TOOLS) -> tuple[Turn, int]:
     """The checked turn and the KV cells it may add; 413 when the prompt leaves no room for a reply."""
@@ -130,36 +127,41 @@ def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: Cha
     if session is None:  # pragma: no cover - the request holds an active entry
         raise KVAgentError("chat request on a parked session (internal error)")
     current = list(session.segments)
-    described = {s.id for s in (*entry.tools, *tools.segments)}
-    if _described(tools.segments) != _described(entry.tools):
-        # the prompt's static part changes: no fast path over the old prompt (MessageLog.plan rebuilds it, reusing
-        # the cached prefix before the tools)
-        entry.log.commit([])
-        entry.tools = list(tools.segments)
+    described = {s.id for s in (*entry.log.tools, *tools.segments)}
+    entry.log.bind_tools(tools.segments)
     if not any(is_message_segment(s) for s in current):
         # a session with no message yet takes the tools after its own segments, so its errata stay
-        current = [*(s for s in current if s.id not in described), *entry.tools]
+        current = [*(s for s in current if s.id not in described), *entry.log.tools]
     # MessageLog.plan: a session holding only the server's own segments (policy, fields, errata, skills, tools)
     # and no message yet gets the messages appended after them, errata included, instead of a rebuild
-    segments = entry.log.plan(current, messages, [*entry.static, *entry.tools])
+    segments = entry.log.plan(current, messages, [*entry.static, *entry.log.tools])
     wanted = body.max_completion_tokens or body.max_tokens or state.config.default_max_tokens
     room = session.fit(segments, wanted)  # ContextOverflowError -> 413, SegmentOrderError -> 422
     sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                 "stop": body.stops()}
-    return Turn(messages, segments, room.prompt_tokens, room.max_tokens, sampling, tools), room.cells
+    return Turn(messages, segments, room.prompt_tokens, room.max_tokens, sampling, tools, body.report_edits), room.cells
 
 
-def usage(gen: Generation) -> dict[str, Any]:
+def usage(gen: Generation, turn: Turn) -> dict[str, Any]:
+    """OpenAI's usage: ``cached_tokens`` are the prompt tokens whose KV was not computed for this call (reused in
+    place, moved by an implicit edit, or transplanted), so computed = changed + repaired + new. With
+    ``report_edits`` the extension ``kvagent_edits`` lists what the resent prompt's changes became."""
     prompt = gen.reused + gen.computed + gen.transplanted
-    return {"prompt_tokens": prompt, "completion_tokens": gen.generated, "total_tokens": prompt + gen.generated,
-            "prompt_tokens_details": {"cached_tokens": gen.reused + gen.transplanted}}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": gen.generated,
+                           "total_tokens": prompt + gen.generated,
+                           "prompt_tokens_details": {"cached_tokens": gen.reused + gen.transplanted}}
+    if turn.report_edits:
+        out["kvagent_edits"] = [e.as_dict() for e in gen.edits]
+    return out
 
 
 def record(state: ServerState, entry: Entry, turn: Turn, gen: Generation, call_ids: list[str] | None = None) -> None:
     """The turn is in the session: log its messages and reply (a tool-call turn as its calls, with the ids the
     client was given: ``call_ids`` for a stream), count it."""
-    entry.log.commit([*turn.messages, logged_reply(gen, call_ids or ())])
+    entry.log.record(turn.messages, gen, call_ids or ())
     state.metrics.count_generation(gen.reused, gen.computed, gen.transplanted, gen.generated, gen.ttft_s)
+    for edit in gen.edits:
+        state.metrics.implicit_edits.labels(edit.kind).inc()
     if entry.session is not None:
         evicted = sum(len(c.evicted) for c in entry.session.cycles)
         state.metrics.evicted_cells.inc(max(0, evicted - entry.evicted_seen))
@@ -195,7 +197,7 @@ async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, reques
         "system_fingerprint": state.fingerprint,
         "choices": [{"index": 0, "message": reply_message(gen), "logprobs": None,
                      "finish_reason": FINISH.get(gen.finish_reason, gen.finish_reason)}],
-        "usage": usage(gen),
+        "usage": usage(gen, turn),
     })
 
 
@@ -291,7 +293,7 @@ class _TurnStream(EventSourceResponse):
             finish = "length"  # the last call was streamed in part: the turn was cut, its complete calls are logged
         yield self._chunk({}, finish, **extra)
         if self.include_usage:
-            yield self._event([], usage=usage(gen))
+            yield self._event([], usage=usage(gen, self.turn))
         yield {"data": "[DONE]"}
 
     def _record(self, gen: Generation) -> None:

@@ -25,6 +25,9 @@ class Metrics:
         self.request_time = Histogram("kvagent_request_seconds", "Time to serve a request, streams to their last "
                                       "event.", ["route"], buckets=REQUEST_BUCKETS, registry=r)
         self.responses = Counter("kvagent_responses", "Responses by status code.", ["code"], registry=r)
+        self.implicit_edits = Counter("kvagent_implicit_edits", "Changed regions of resent prompts, by what was done: "
+                                      "replace, delete or insert (edited in place) or fallback (recomputed).",
+                                      ["kind"], registry=r)
         self.errata = Counter("kvagent_errata", "Errata appended by field edits.", registry=r)
         self.evicted_cells = Counter("kvagent_evicted_cells", "KV cells removed by sessions' eviction cycles.",
                                      registry=r)

@@ -132,6 +132,9 @@ class ChatRequest(BaseModel):
     n: int = Field(1, ge=1)
     user: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
+    report_edits: bool = False
+    """kvagent's extension (send it in the openai client's ``extra_body``): ``usage.kvagent_edits`` lists what the
+    changes of the resent prompt became (``replace`` / ``delete`` / ``insert`` in place, or ``fallback``)."""
     tools: list[Any] | None = None
     """Checked by the server (``kvagent_server.tools``), so that a refusal names the tool and the fix."""
     tool_choice: Any = None

@@ -103,9 +103,8 @@ class Entry(TableEntry):
     options: SessionOptions = field(default_factory=SessionOptions)
     static: list[Segment] = field(default_factory=list)
     """Segments the server added (policy, fields, memory, skills): ``MessageLog.plan``'s ``static``."""
-    tools: list[Segment] = field(default_factory=list)
-    """The segments of the last request's tools (after ``static`` in the prompt; ``kvagent_server.tools``)."""
     log: MessageLog = field(default_factory=MessageLog)
+    """The messages the prompt holds, and the last request's tool segments (after ``static``: ``log.tools``)."""
     replies: ReplyTokens = field(default_factory=ReplyTokens)
     parked: Parked | None = None
     deleted: bool = False

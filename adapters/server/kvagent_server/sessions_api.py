@@ -180,6 +180,10 @@ def view(state: ServerState, entry: Entry) -> dict[str, Any]:
     return {
         "id": entry.key, "object": "session", "kind": entry.kind, "parked": entry.parked is not None,
         "tokens": tokens, "fields": field_values(segments), "messages": len(entry.log.messages),
+        # regions of the resent prompts that changed turn after turn (kvagent.edits.implicit): what a client could
+        # declare as fields; not kept across a park
+        "discovered_fields": entry.session.discovered_fields if entry.session is not None else {},
+        "stale_positions": len(entry.session.stale_positions) if entry.session is not None else 0,
         "segments": [segment_view(s) for s in segments],
         "cached_spans": [{"segment_id": span.segment_id, "kind": span.kind.value, "first": span.first,
                           "last": span.last, "cached": cached} for span, cached in spans],
@@ -324,7 +328,7 @@ async def save(state: ServerState, tenant: Tenant, key: str, kind: str) -> bytes
             "edit_strategy": opts.edit_strategy,
             "memory_blocks": [dataclasses.asdict(b) for b in opts.memory],
             "static": [segment_to_dict(s) for s in entry.static],
-            "tools": [segment_to_dict(s) for s in entry.tools],
+            "tools": [segment_to_dict(s) for s in entry.log.tools],
         }
         snapshot = Snapshot(tuple(session.segments), tuple(entry.log.messages), blob, meta)
     return sign(await asyncio.to_thread(snapshot.to_bytes), state.secret, tenant.name.encode())
@@ -425,7 +429,8 @@ async def restore(state: ServerState, tenant: Tenant, key: str, data: bytes) -> 
             await state.sessions.with_room(entry, n, lambda: session.arestore(blob, segments))
         else:
             await state.sessions.with_room(entry, n, lambda: session.areplace(segments))
-        entry.static, entry.tools = static, tools
+        entry.static = static
+        entry.log.bind_tools(tools)
         entry.log.commit(snapshot.messages)
         return {**view(state, entry), "verified": trusted}
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvagent.errors import ContextOverflowError, ToolChoiceError, ToolSpecError
@@ -247,15 +247,6 @@ def reply_message(gen: Generation) -> dict[str, Any]:
     return {"role": "assistant", "content": gen.text}
 
 
-def logged_reply(gen: Generation, ids: Sequence[str] = ()) -> ChatMessage:
-    """The turn as the client will send it back: its calls (with the ``ids`` it was given, in order) and no text,
-    else its text; what the messages log holds, so the resent history matches it."""
-    if gen.tool_calls:
-        calls = tuple(replace(c, id=ids[k]) if k < len(ids) else c for k, c in enumerate(gen.tool_calls))
-        return ChatMessage("assistant", "", tool_calls=calls)
-    return ChatMessage("assistant", gen.prefix + gen.text)
-
-
 class StreamedCalls:
     """A streamed turn's pieces as chat-completion deltas: text as ``content``, calls as ``tool_calls`` items
     (``index``; the first piece of a call with ``id``, ``type`` and ``function.name``; then argument pieces)."""
@@ -290,4 +281,4 @@ class StreamedCalls:
 
 
 __all__ = ["NO_TOOLS", "StreamedCalls", "ToolCache", "TurnTools", "chat_messages", "check_choice", "check_tools",
-           "logged_reply", "openai_call", "reply_message", "response_schema", "turn_tools"]
+           "openai_call", "reply_message", "response_schema", "turn_tools"]

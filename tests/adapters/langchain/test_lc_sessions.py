@@ -86,6 +86,25 @@ async def test_follow_up_computes_only_the_new_message() -> None:
     assert meta["model_name"] == "smollm2-135m" and meta["session_id"] == "follow-up" and meta["ttft_s"] > 0
 
 
+def test_a_system_prompt_changed_by_the_agent_is_edited_not_recomputed() -> None:
+    # a dynamic prompt (a clock line at its top) through the plain chat model: no field declared
+    m = model()
+    rules = "\n".join(f"Rule {i}: parcels of zone {i} leave the depot at {i + 6} o'clock." for i in range(30))
+    history: list = []
+    metas = []
+    for minute in range(3):
+        system = SystemMessage(f"You are a courier's assistant.\nCurrent time: 09:{minute:02d}\n{rules}")
+        question = HumanMessage(f"When does zone {minute} leave?")
+        reply = m.invoke([system, *history, question], session_id="dynamic-prompt")
+        history += [question, reply]
+        metas.append((reply.response_metadata, reply.usage_metadata))
+    for meta, usage in metas[1:]:
+        assert [e["kind"] for e in meta["edits"]] == ["replace"], meta["edits"]
+        assert meta["computed"] <= 64 < usage["input_tokens"] // 4, meta  # the changed digit, the new turn
+        assert usage["input_token_details"]["cache_read"] == meta["reused"] + meta["transplanted"]
+    assert m.session("dynamic-prompt").discovered_fields == {"Current time": 2}
+
+
 async def test_eight_concurrent_ainvokes_match_a_cold_recompute() -> None:
     # its own engine: 8 sessions, a cold one to compare with, a scratch sequence
     m = ChatKVAgent(model=SETTINGS["model"], n_ctx=2048, n_seq_max=10, max_tokens=12)

@@ -73,6 +73,22 @@ def test_openai_client_streams_with_usage_and_cached_tokens_grow(server: tuple[s
         oa.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
 
 
+def test_the_dynamic_prompt_example_computes_the_changed_line_and_the_new_message(server: tuple[str, int]) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "openai_dynamic_prompt.py"
+    spec = importlib.util.spec_from_file_location("openai_dynamic_prompt", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.main(f"{server[0]}/v1", turns=3, api_key=KEY)
+    assert rows[0]["computed"] > rows[0]["prompt_tokens"] // 2  # the first turn is cold (a template prefix may be shared)
+    for row in rows[1:]:
+        assert row["computed"] <= 64 < row["prompt_tokens"] // 4, row  # the changed minute, the new messages
+        assert row["edits"] == [f"replace at 'Current time: 2026-12-06 09:{14 + rows.index(row):02d}'"]
+
+
 def test_a_client_that_disconnects_mid_stream_rolls_its_turn_back(server: tuple[str, int]) -> None:
     base, _ = server
     with client(base) as c:

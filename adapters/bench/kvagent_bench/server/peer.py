@@ -58,7 +58,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from kvagent_bench.common import RESULTS_DIR, median, write_json
+from kvagent_bench.common import RESULTS_DIR, median, read_results, write_json
 from kvagent_bench.server import load
 from kvagent_bench.server.llama_server import LlamaServer, LlamaServerConfig
 from kvagent_bench.server.streams import Streamed, astream_chat, stream_chat
@@ -489,12 +489,7 @@ def run(models: Sequence[str], quick: bool, json_path: Path, command: str,
 
 def _kept_rows(json_path: Path, models: Sequence[str], parts: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Rows of ``json_path`` that this run does not replace, and the commands that made them."""
-    if not json_path.is_file():
-        return [], {}
-    try:
-        data = json.loads(json_path.read_text())
-    except ValueError:
-        return [], {}
+    data = read_results(json_path)
     part_of = {"turn": "turns", "cold": "cold", "load": "load"}
     kept = [r for r in data.get("rows", []) if not (r.get("model") in models and part_of.get(r.get("part")) in parts)]
     return kept, {k: v for k, v in (data.get("commands") or {}).items()

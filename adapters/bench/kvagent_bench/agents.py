@@ -1,0 +1,373 @@
+"""``kvagent bench agents``: how much of each prompt an engine computes again when an agent changes its own prompt
+between turns, driven only through the official ``openai`` client, as a user of an OpenAI-compatible server would.
+
+The traces (:mod:`kvagent_bench.agent_traces`): ``clock`` (the time on the system prompt's second line), ``memory``
+(a Letta-style memory block edited by a tool), ``cleared`` (old tool results replaced by ``[cleared]``),
+``summary`` (the oldest turns replaced by a summary) and ``tools`` (a different subset of tools bound each turn);
+8 turns each, the first cold. Every request is the whole message list (and ``tools``), fixed in the trace, so every
+engine gets the same requests; the model's replies are read and thrown away.
+
+Arms, each started fresh on 127.0.0.1 for each trace, with an 8,192-token context and one unmeasured warm-up
+request ("Hello", 1 token):
+
+- ``kvagent``: ``kvagent serve --n-ctx 8192`` (its other settings the defaults); the session is keyed by the
+  request's ``prompt_cache_key`` (``f"{trace}-agent"``);
+- ``llama-server`` / ``llama-server reuse``: llama.cpp's own server (``make llama-server``; skipped, saying so,
+  when it is not built), one slot, ``-c 8192``, prompt caching on (its default), without and with
+  ``--cache-reuse 256``; GGUF's own chat template (Jinja);
+- ``llama-cpp-python``: ``llama_cpp.Llama(model_path, n_ctx=8192).create_chat_completion`` in this process, through
+  the backend registry's ``baseline_chat`` (kvagent's one ``llama_cpp`` importer: the comparison chat of
+  ``kvagent demo`` and ``kvagent bench tools``); it keeps the longest common token prefix of consecutive prompts,
+  and reports what it kept.
+
+The OpenAI arms send ``client.chat.completions.create(model, messages, tools (when the turn binds any),
+max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
+extra_body={"prompt_cache_key": ...})``. Per turn: ``ttft_s`` (request to the first content or tool-call delta;
+the end of the stream when none came), ``wall_s`` (request to the end of the stream), ``prompt_tokens`` and
+``cached`` (``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``, as each server reports
+them), ``computed`` = prompt - cached; llama-server's own count of prompt tokens it processed
+(``timings.prompt_n``) is kept as ``server_computed``. ``summary``: per arm and trace, medians over the changed
+turns (1 on).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from kvagent_bench.agent_traces import TRACES, TURNS, Trace, Turn, trace
+from kvagent_bench.common import RESULTS_DIR, median, read_results, write_json
+
+N_CTX = 8192
+MAX_TOKENS = 8
+REUSE = 256  # llama-server --cache-reuse: the chunk size its README and its server tests use
+TARGETS = ("kvagent", "llama-server", "llama-cpp-python")
+WARMUP = [{"role": "user", "content": "Hello"}]
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    target: str
+    cache_reuse: int = 0
+
+
+ARMS = (Arm("kvagent", "kvagent"), Arm("llama-server", "llama-server"),
+        Arm("llama-server reuse", "llama-server", REUSE), Arm("llama-cpp-python", "llama-cpp-python"))
+
+
+def default_json(model: str) -> Path:
+    return RESULTS_DIR / f"agents-{model}.json"
+
+
+def settings(model: str) -> dict[str, str]:
+    """What each arm ran, in words (for the JSON)."""
+    common = f"{model}, context {N_CTX} tokens, all cores, max_tokens {MAX_TOKENS}, temperature 0, streamed"
+    server = "llama-server built from kvagent's llama.cpp (make llama-server), 1 slot, -fa auto, prompt cache on " \
+             "(cache_prompt, its default), the GGUF's chat template"
+    return {
+        "kvagent": f"kvagent serve --n-ctx {N_CTX} (other settings its defaults), sessions keyed by prompt_cache_key; "
+                   f"{common}",
+        "llama-server": f"{server}; {common}",
+        "llama-server reuse": f"{server}, --cache-reuse {REUSE}; {common}",
+        "llama-cpp-python": f"llama_cpp.Llama(n_ctx={N_CTX}).create_chat_completion in process (the backend "
+                            f"registry's baseline_chat), the GGUF's chat template, longest common prefix kept; {common}",
+    }
+
+
+# -- one turn through the openai client ----------------------------------------------------------------------
+def openai_turn(client: Any, model: str, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """Send ``turn`` as a streamed chat completion and read it to the end: the per-turn measurements."""
+    options: dict[str, Any] = {"tools": turn.tools} if turn.tools else {}
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=turn.messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"prompt_cache_key": key}, **options)
+    first: float | None = None
+    usage: Any = None
+    timings: dict[str, Any] | None = None
+    text: list[str] = []
+    calls: set[int] = set()
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices or ():
+            delta = choice.delta
+            if delta is not None and (delta.content or delta.tool_calls):
+                first = first if first is not None else time.perf_counter()
+                text.append(delta.content or "")
+                calls.update(int(c.index or 0) for c in delta.tool_calls or ())
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+        extra = getattr(chunk, "model_extra", None) or {}
+        timings = extra.get("timings") or timings
+    end = time.perf_counter()
+    if usage is None:
+        raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    prompt = int(usage.prompt_tokens)
+    return {"prompt_tokens": prompt, "cached": None if cached is None else int(cached),
+            "computed": prompt - int(cached or 0),
+            "server_computed": int(timings["prompt_n"]) if timings and "prompt_n" in timings else None,
+            "ttft_s": (first if first is not None else end) - start, "wall_s": end - start,
+            "first_delta": first is not None, "completion_tokens": int(usage.completion_tokens or 0),
+            "reply": "".join(text)[:200], "tool_calls": len(calls), "finish_reason": finish}
+
+
+def openai_client(base_url: str) -> Any:
+    """The official client on ``base_url`` (no proxy from the environment, no retries: a failure is a failure)."""
+    import httpx
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=900,
+                         http_client=httpx.Client(trust_env=False, timeout=900))
+
+
+# -- the arms ------------------------------------------------------------------------------------------------
+class ServeArm:
+    """``kvagent serve`` in a child process."""
+
+    def __init__(self, model: str, log_dir: Path) -> None:
+        from kvagent_bench.server.processes import free_port, start_process
+
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        args = [sys.executable, "-m", "kvagent.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                "--model", model, "--n-ctx", str(N_CTX), "--log-level", "warning"]
+        self.proc = start_process(args, f"{self.base}/health", log_dir / f"serve-{port}.log")
+        self.client = openai_client(f"{self.base}/v1")
+        self.model = self.client.models.list().data[0].id
+
+    def turn(self, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        return openai_turn(self.client, self.model, key, turn, max_tokens)
+
+    def close(self) -> None:
+        from kvagent_bench.server.processes import stop_process
+
+        self.client.close()
+        stop_process(self.proc)
+
+
+class LlamaServerArm:
+    """llama.cpp's ``llama-server`` (one slot, ``--cache-reuse`` as the arm says)."""
+
+    def __init__(self, model: str, log_dir: Path, cache_reuse: int) -> None:
+        from kvagent_bench.server.llama_server import LlamaServer, LlamaServerConfig
+
+        self.server = LlamaServer(LlamaServerConfig(model, n_ctx=N_CTX, cache_reuse=cache_reuse), log_dir)
+        self.client = openai_client(self.server.v1)
+        self.model = self.server.config.name
+
+    def turn(self, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        return openai_turn(self.client, self.model, key, turn, max_tokens)
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+
+
+class LlamaCppPythonArm:
+    """``llama_cpp.Llama.create_chat_completion`` in this process (the backend registry's baseline chat)."""
+
+    def __init__(self, model: str) -> None:
+        from kvagent.backends.registry import baseline_chat
+        from kvagent.models import resolve_model
+
+        self.chat = baseline_chat("llama.cpp", resolve_model(model).path, n_ctx=N_CTX)
+
+    def turn(self, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        reply = self.chat.reply(turn.messages, max_tokens, tools=turn.tools or None)
+        prompt = int(reply.prompt_tokens)
+        return {"prompt_tokens": prompt, "cached": prompt - int(reply.computed), "computed": int(reply.computed),
+                "server_computed": None, "ttft_s": reply.ttft_s, "wall_s": reply.total_s, "first_delta": True,
+                "completion_tokens": None, "reply": reply.text[:200], "tool_calls": len(reply.tool_calls),
+                "finish_reason": None}
+
+    def close(self) -> None:
+        self.chat.close()
+
+
+def start_arm(arm: Arm, model: str, log_dir: Path) -> Any:
+    if arm.target == "kvagent":
+        return ServeArm(model, log_dir)
+    if arm.target == "llama-server":
+        return LlamaServerArm(model, log_dir, arm.cache_reuse)
+    return LlamaCppPythonArm(model)
+
+
+def skip_reason(arm: Arm) -> str | None:
+    """Why ``arm`` cannot run here (None: it can)."""
+    if arm.target == "llama-server":
+        from kvagent_bench.server.llama_server import missing_reason
+
+        return missing_reason()
+    if arm.target == "llama-cpp-python":
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            return "llama-cpp-python is not installed"
+    return None
+
+
+def run_trace(arm: Arm, model: str, tr: Trace, log_dir: Path, progress: Callable[[str], None],
+              rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One trace on a fresh instance of ``arm``: the warm-up, then each turn in order; a row per turn, appended to
+    ``rows`` as it comes (a failing turn leaves the turns before it there)."""
+    progress(f"{arm.name} {tr.name}: starting")
+    runner = start_arm(arm, model, log_dir)
+    rows = [] if rows is None else rows
+    try:
+        runner.turn(f"{tr.name}-warmup", Turn([dict(m) for m in WARMUP]), max_tokens=1)
+        for k, turn in enumerate(tr.turns):
+            progress(f"{arm.name} {tr.name}: turn {k + 1}/{len(tr.turns)}")
+            got = runner.turn(f"{tr.name}-agent", turn)
+            rows.append({"arm": arm.name, "target": arm.target, "trace": tr.name, "turn": k, "changed": k > 0,
+                         "messages": len(turn.messages), "tools": len(turn.tools or ()), **got})
+    finally:
+        runner.close()
+    return rows
+
+
+# -- summary, JSON, plot -------------------------------------------------------------------------------------
+def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm and trace: medians over the changed turns (computed, cached share, TTFT, wall), the cold turn, and
+    the TTFT and computed ratios to kvagent's on the same trace; per arm, the same medians over all traces."""
+    out: dict[str, Any] = {}
+    arms = [a.name for a in ARMS if any(r["arm"] == a.name for r in rows)]
+    for arm in arms:
+        per: dict[str, Any] = {}
+        mine = [r for r in rows if r["arm"] == arm]
+        for name in [t for t in TRACES if any(r["trace"] == t for r in mine)]:
+            turns = sorted((r for r in mine if r["trace"] == name), key=lambda r: r["turn"])
+            changed = [r for r in turns if r["changed"]]
+            cold = next((r for r in turns if r["turn"] == 0), None)
+            per[name] = {
+                "turns": len(turns),
+                "computed_per_turn": [r["computed"] for r in turns],
+                "computed_median": median([r["computed"] for r in changed]),
+                "prompt_median": median([r["prompt_tokens"] for r in changed]),
+                "cached_share_median": median([(r["cached"] or 0) / r["prompt_tokens"] for r in changed
+                                               if r["prompt_tokens"]]),
+                "ttft_s_median": median([r["ttft_s"] for r in changed]),
+                "wall_s_median": median([r["wall_s"] for r in changed]),
+                "cold_computed": cold["computed"] if cold else None,
+                "cold_ttft_s": cold["ttft_s"] if cold else None,
+            }
+        changed_all = [r for r in mine if r["changed"]]
+        per["all"] = {"computed_median": median([r["computed"] for r in changed_all]),
+                      "ttft_s_median": median([r["ttft_s"] for r in changed_all]),
+                      "wall_s_median": median([r["wall_s"] for r in changed_all]),
+                      "changed_turns": len(changed_all)}
+        out[arm] = per
+    ours = out.get("kvagent", {})
+    for arm, per in out.items():
+        for name, entry in per.items():
+            if arm == "kvagent" or name == "all" or name not in ours:
+                continue
+            base = ours[name]
+            entry["ttft_vs_kvagent"] = entry["ttft_s_median"] / base["ttft_s_median"] if base["ttft_s_median"] else None
+            entry["computed_vs_kvagent"] = (entry["computed_median"] / base["computed_median"]
+                                            if base["computed_median"] else None)
+    return out
+
+
+def _kept(json_path: Path, model: str, pairs: set[tuple[str, str]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of ``json_path`` (same model) that this run does not replace, and the file's other keys."""
+    data = read_results(json_path)
+    if data.get("model") != model:
+        return [], {}
+    rows = [r for r in data.get("rows", []) if (r.get("arm"), r.get("trace")) not in pairs]
+    return rows, data
+
+
+def run(model: str, targets: Sequence[str], traces: Sequence[str], turns: int, json_path: Path, command: str,
+        progress: Callable[[str], None] = lambda m: None, log: Callable[[str], None] = print,
+        log_dir: Path | None = None) -> dict[str, Any]:
+    """Every chosen trace on every arm of ``targets``; writes the JSON after each (arm, trace). Rows of other arms
+    and traces already in ``json_path`` (same model) are kept. Returns the written document."""
+    bad = [t for t in targets if t not in TARGETS]
+    if bad or not targets:
+        raise ValueError(f"unknown target {bad[0] if bad else '(none)'!r}: use {', '.join(TARGETS)}")
+    bad = [t for t in traces if t not in TRACES]
+    if bad or not traces:
+        raise ValueError(f"unknown trace {bad[0] if bad else '(none)'!r}: use {', '.join(TRACES)}")
+    if not 1 <= turns <= TURNS:
+        raise ValueError(f"turns must be 1 to {TURNS}, got {turns}")
+    arms = [a for a in ARMS if a.target in targets]
+    skipped: dict[str, str] = {}
+    for arm in arms:
+        reason = skip_reason(arm)
+        if reason is not None:
+            skipped[arm.name] = reason
+            log(f"skipping {arm.name}: {reason}")
+    arms = [a for a in arms if a.name not in skipped]
+    pairs = {(a.name, t) for a in arms for t in traces}
+    kept, old = _kept(json_path, model, pairs)
+    commands = {k: v for k, v in (old.get("commands") or {}).items() if tuple(k.split(" / ", 1)) not in pairs}
+    errors = {k: v for k, v in (old.get("errors") or {}).items() if tuple(k.split(" / ", 1)) not in pairs}
+    rows: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvagent-agents-") as tmp:
+        logs = log_dir or Path(tmp)
+        for name in traces:
+            tr = trace(name, turns)
+            for arm in arms:
+                key = f"{arm.name} / {name}"
+                try:
+                    run_trace(arm, model, tr, logs, progress, rows)
+                    commands[key] = command
+                    errors.pop(key, None)
+                except Exception as exc:  # noqa: BLE001 - one arm failing a trace must not lose the others
+                    errors[key] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+                    log(f"{key} failed: {errors[key][:500]}")
+                every = [*kept, *rows]
+                doc = {"model": model, "plan": {"turns": turns, "max_tokens": MAX_TOKENS, "n_ctx": N_CTX},
+                       "arms": settings(model), "skipped": skipped, "errors": errors, "commands": commands,
+                       "summary": summarise(every)}
+                write_json(json_path, command, every, **doc)
+    doc["rows"] = [*kept, *rows]
+    return doc
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, model: str) -> None:
+    """Per trace (columns): prompt tokens computed per turn and TTFT per turn (rows), one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [t for t in TRACES if any(r["trace"] == t for r in rows)]
+    arms = [a.name for a in ARMS if any(r["arm"] == a.name for r in rows)]
+    if not names:
+        return
+    fig, axes = plt.subplots(2, len(names), figsize=(3.6 * len(names), 6.4), squeeze=False)
+    for j, name in enumerate(names):
+        for i, arm in enumerate(arms):
+            pts = sorted((r for r in rows if r["trace"] == name and r["arm"] == arm), key=lambda r: r["turn"])
+            if not pts:
+                continue
+            # arms that compute the same counts would hide each other: a small offset, a marker and a dash each
+            x = [r["turn"] + 0.07 * (i - (len(arms) - 1) / 2) for r in pts]
+            style = {"marker": "osD^v"[i % 5], "ms": 4, "label": arm, "color": f"C{i}",
+                     "linestyle": ("-", "--", ":", "-.")[i % 4]}
+            axes[0][j].plot(x, [max(1, r["computed"]) for r in pts], **style)
+            axes[1][j].plot(x, [r["ttft_s"] for r in pts], **style)
+        axes[0][j].set(title=f"{name}", yscale="log", ylabel="prompt tokens computed" if j == 0 else None)
+        axes[1][j].set(xlabel="turn", yscale="log", ylabel="TTFT (s)" if j == 0 else None)
+        for ax in (axes[0][j], axes[1][j]):
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_xticks(range(max(r["turn"] for r in rows) + 1))
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"agents that change their own prompt: {model} (turn 0 cold)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["ARMS", "MAX_TOKENS", "N_CTX", "TARGETS", "Arm", "default_json", "openai_turn", "plot", "run", "settings",
+           "summarise"]

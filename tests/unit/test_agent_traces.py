@@ -1,0 +1,236 @@
+"""The agents benchmark's traces (``kvagent_bench.agent_traces``): prompt sizes on SmolLM2's tokenizer, what changes
+between consecutive turns, tool calls answered by their results, and the per-arm summary."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import pytest
+
+from kvagent_bench import agent_traces as at
+
+pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
+
+
+@pytest.fixture(scope="module")
+def count() -> Iterator[Any]:
+    """Tokens of a text on SmolLM2's vocabulary (the GGUF's, through the server's token counter)."""
+    from kvagent.errors import KVAgentError
+    from kvagent_server.tokens import GGUFCounter
+
+    try:
+        counter = GGUFCounter("smollm2-135m")
+    except KVAgentError as exc:
+        pytest.skip(f"SmolLM2's GGUF is not available: {exc}")
+    yield lambda text: len(counter._backend.tokenize(text, special=True))
+    counter.close()
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict[str, at.Trace]:
+    return {name: at.trace(name) for name in at.TRACES}
+
+
+def non_system(turn: at.Turn) -> list[dict[str, Any]]:
+    return turn.messages[1:]
+
+
+def test_the_main_system_prompt_is_about_2900_tokens(count: Any) -> None:
+    assert 2700 <= count(at.system_prompt(at.CLOCK_START)) <= 3100
+
+
+@pytest.mark.parametrize("name", at.TRACES)
+def test_every_prompt_is_2k_to_8k_tokens_and_the_system_prompt_2k_to_4k(name: str, traces: dict[str, at.Trace],
+                                                                        count: Any) -> None:
+    tr = traces[name]
+    assert len(tr.turns) == at.TURNS
+    for turn in tr.turns:
+        assert turn.messages[0]["role"] == "system" and turn.messages[-1]["role"] in ("user", "tool")
+        assert 2000 <= count(turn.messages[0]["content"]) <= 4000
+        assert 2000 <= count(at.render_chatml(turn)) <= 8000 - 2 * at.TURNS
+
+
+@pytest.mark.parametrize("name", at.TRACES)
+def test_tool_calls_are_answered_by_their_results_in_order(name: str, traces: dict[str, at.Trace]) -> None:
+    for turn in traces[name].turns:
+        calls, results = at.tool_call_ids(turn.messages)
+        assert calls == results and len(set(calls)) == len(calls)
+        for i, m in enumerate(turn.messages):
+            if m["role"] == "tool":  # right after the call it answers (one call a message here)
+                before = turn.messages[i - 1]
+                assert [c["id"] for c in before.get("tool_calls") or ()] == [m["tool_call_id"]]
+            for c in m.get("tool_calls") or ():
+                assert isinstance(json.loads(c["function"]["arguments"]), dict)
+                assert isinstance(m["content"], str) and m["content"]  # SmolLM2's template needs text
+                assert c["function"]["name"] in {t["function"]["name"] for t in [*at.TOOL_SPECS, *at.MEMORY_TOOLS]}
+
+
+@pytest.mark.parametrize("name", at.TRACES)
+def test_traces_are_deterministic_and_truncated_by_turns(name: str) -> None:
+    assert at.trace(name) == at.trace(name)
+    assert at.trace(name, 3).turns == at.trace(name).turns[:3]
+    a = at.trace(name)
+    a.turns[0].messages[0]["content"] = "changed"
+    assert at.trace(name).turns[0].messages[0]["content"] != "changed"  # fresh dicts each call
+
+
+def changed_lines(a: str, b: str) -> list[tuple[str, str]]:
+    """(old, new) line pairs of the lines that differ (same line count required)."""
+    la, lb = a.split("\n"), b.split("\n")
+    assert len(la) == len(lb)
+    return [(x, y) for x, y in zip(la, lb) if x != y]
+
+
+def test_clock_changes_exactly_the_second_line_and_appends_a_reply_and_a_question(traces: dict[str, at.Trace]) -> None:
+    turns = traces["clock"].turns
+    minutes = []
+    for prev, cur in zip(turns, turns[1:]):
+        diff = changed_lines(prev.messages[0]["content"], cur.messages[0]["content"])
+        assert len(diff) == 1 and diff[0][1].startswith("Current time: 2026-12-06 09:")
+        assert cur.messages[0]["content"].split("\n")[1] == diff[0][1]
+        assert non_system(cur)[: len(non_system(prev))] == non_system(prev)
+        assert [m["role"] for m in non_system(cur)[len(non_system(prev)):]] == ["assistant", "user"]
+        minutes.append(diff[0][1])
+    assert len(set(minutes)) == len(minutes)
+    assert turns[0].messages[0]["content"].split("\n")[1] == "Current time: 2026-12-06 09:14"
+
+
+def test_memory_edits_one_fact_of_the_human_block_per_turn_through_a_tool_call(traces: dict[str, at.Trace]) -> None:
+    turns = traces["memory"].turns
+    for prev, cur in zip(turns, turns[1:]):
+        old, new = prev.messages[0]["content"], cur.messages[0]["content"]
+        start = new.index('<memory_block label="human"')
+        end = new.index("</memory_block>", start)
+        assert old[: old.index('<memory_block label="human"')] == new[:start]  # the persona before it unchanged
+        assert old[old.index("</memory_block>", start):] == new[end:]  # the handbook after it unchanged
+        header, _, value = new[start:end].partition("\n")
+        assert header == f'<memory_block label="human" chars={len(value.rstrip(chr(10)))}>'
+        lines_old = old[old.index('<memory_block label="human"'):].split("</memory_block>")[0].split("\n")[1:-1]
+        lines_new = value.rstrip("\n").split("\n")
+        added = [line for line in lines_new if line not in lines_old]
+        assert len(added) == 1 and len(lines_new) - len(lines_old) in (0, 1)
+        tail = non_system(cur)[len(non_system(prev)) - 1:]  # the previous question, then what the turn added
+        assert non_system(cur)[: len(non_system(prev))] == non_system(prev)
+        assert [m["role"] for m in tail] == ["user", "assistant", "tool", "assistant", "user"]
+        call = tail[1]["tool_calls"][0]
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] in ("core_memory_append", "core_memory_replace") and args["label"] == "human"
+        assert (args.get("content") or args.get("new_content")) == added[0]
+    names = [c["function"]["name"] for m in turns[-1].messages for c in m.get("tool_calls") or ()]
+    assert len(names) == at.TURNS - 1 and names.count("core_memory_append") >= 4
+    assert all(t.tools == turns[0].tools for t in turns)
+
+
+def test_cleared_keeps_the_latest_two_tool_results_from_turn_3(traces: dict[str, at.Trace], count: Any) -> None:
+    turns = traces["cleared"].turns
+    for k, turn in enumerate(turns):
+        results = [m["content"] for m in turn.messages if m["role"] == "tool"]
+        assert len(results) >= min(k, 5)
+        cleared = [c for c in results if c == at.CLEARED]
+        if k < at.CLEAR_FROM:
+            assert not cleared
+        else:
+            assert results[: len(results) - at.KEEP_RESULTS] == [at.CLEARED] * (len(results) - at.KEEP_RESULTS)
+        for content in results[-at.KEEP_RESULTS:]:
+            assert 150 <= count(content) <= 400
+    for prev, cur in zip(turns, turns[1:]):
+        assert cur.messages[0] == prev.messages[0] and cur.tools == prev.tools and 3 <= len(cur.tools or ()) <= 10
+        # the previous turn, its results cleared where this turn clears them, is a prefix of this one
+        old = [dict(m) for m in prev.messages]
+        for m, new in zip(old, cur.messages):
+            if m["role"] == "tool" and new["content"] == at.CLEARED:
+                m["content"] = at.CLEARED
+        assert cur.messages[: len(old)] == old and len(cur.messages) == len(old) + 2
+
+
+def test_summary_replaces_the_oldest_turns_by_one_message_once(traces: dict[str, at.Trace]) -> None:
+    turns = traces["summary"].turns
+    for k, (prev, cur) in enumerate(zip(turns, turns[1:]), start=1):
+        if k == at.SUMMARY_TURN:
+            summary = cur.messages[1]
+            assert summary["role"] == "user" and summary["content"].startswith(at.SUMMARY_PREFIX)
+            kept = cur.messages[2:-1]  # the last two exchanges: the previous turn's tail, then its reply
+            assert len(kept) == 4 and kept[:-1] == prev.messages[-3:] and kept[-1]["role"] == "assistant"
+            assert len(cur.messages) < len(prev.messages)
+        else:
+            assert cur.messages[: len(prev.messages)] == prev.messages
+            assert [m["role"] for m in cur.messages[len(prev.messages):]] == ["assistant", "user"]
+    assert sum(m["content"].startswith(at.SUMMARY_PREFIX) for m in turns[-1].messages) == 1
+
+
+def test_tools_binds_a_different_three_to_five_of_ten_each_turn(traces: dict[str, at.Trace]) -> None:
+    turns = traces["tools"].turns
+    assert len({t["function"]["name"] for t in at.TOOL_SPECS}) == 10
+    sets = [tuple(t["function"]["name"] for t in turn.tools or ()) for turn in turns]
+    assert all(3 <= len(s) <= 5 for s in sets)
+    assert all(a != b for a, b in zip(sets, sets[1:]))
+    for prev, cur in zip(turns, turns[1:]):
+        assert cur.messages[: len(prev.messages)] == prev.messages  # only the tools and the new messages change
+        assert cur.messages[-1]["role"] == "user"
+
+
+def test_render_chatml_is_the_templates_text_for_plain_messages() -> None:
+    turn = at.Turn([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+    assert at.render_chatml(turn) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n" \
+                                     "<|im_start|>assistant\n"
+
+
+def test_summary_of_rows_medians_over_changed_turns_and_ratios_to_kvagent() -> None:
+    from kvagent_bench.agents import summarise
+
+    def row(arm: str, turn: int, computed: int, ttft: float) -> dict[str, Any]:
+        return {"arm": arm, "trace": "clock", "turn": turn, "changed": turn > 0, "prompt_tokens": 3000,
+                "cached": 3000 - computed, "computed": computed, "ttft_s": ttft, "wall_s": ttft + 0.1}
+
+    rows = [row("kvagent", 0, 3000, 20.0), row("kvagent", 1, 100, 1.0), row("kvagent", 2, 80, 0.5),
+            row("kvagent", 3, 120, 2.0),
+            row("llama-cpp-python", 0, 3000, 20.0), row("llama-cpp-python", 1, 2900, 15.0),
+            row("llama-cpp-python", 2, 2950, 16.0), row("llama-cpp-python", 3, 3000, 17.0)]
+    s = summarise(rows)
+    assert s["kvagent"]["clock"]["computed_median"] == 100 and s["kvagent"]["clock"]["ttft_s_median"] == 1.0
+    assert s["kvagent"]["clock"]["computed_per_turn"] == [3000, 100, 80, 120]
+    assert s["kvagent"]["clock"]["cold_computed"] == 3000
+    assert s["llama-cpp-python"]["clock"]["ttft_vs_kvagent"] == 16.0
+    assert s["llama-cpp-python"]["clock"]["computed_vs_kvagent"] == 29.5
+    assert s["llama-cpp-python"]["all"]["changed_turns"] == 3
+
+
+def test_run_writes_rows_keeps_other_arms_rows_and_records_failures(tmp_path: Any, monkeypatch: Any) -> None:
+    """The runner's bookkeeping on fake engines: a row per turn, failures recorded (the turns before kept), rows of
+    arms not run again kept, skipped arms named."""
+    from kvagent_bench import agents
+
+    class Fake:
+        def __init__(self, arm: agents.Arm) -> None:
+            self.arm, self.prev = arm, 0
+
+        def turn(self, key: str, turn: at.Turn, max_tokens: int = 8) -> dict[str, Any]:
+            if self.arm.name == "llama-cpp-python" and len(turn.messages) > 4:
+                raise RuntimeError("boom")
+            n = len(at.render_chatml(turn))
+            cached, self.prev = min(self.prev, n), n
+            return {"prompt_tokens": n, "cached": cached, "computed": n - cached, "ttft_s": 0.1, "wall_s": 0.2}
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(agents, "start_arm", lambda arm, model, log_dir: Fake(arm))
+    monkeypatch.setattr(agents, "skip_reason", lambda arm: "not built: run `make llama-server`"
+                        if arm.target == "llama-server" else None)
+    path = tmp_path / "agents.json"
+    logged: list[str] = []
+    doc = agents.run("smollm2-135m", ["kvagent", "llama-server", "llama-cpp-python"], ["clock"], 3, path, "first",
+                     log=logged.append)
+    assert [(r["arm"], r["turn"]) for r in doc["rows"]] == [("kvagent", 0), ("kvagent", 1), ("kvagent", 2),
+                                                            ("llama-cpp-python", 0), ("llama-cpp-python", 1)]
+    assert set(doc["skipped"]) == {"llama-server", "llama-server reuse"} and any("make llama-server" in m for m in logged)
+    assert "boom" in doc["errors"]["llama-cpp-python / clock"]
+    assert doc["summary"]["kvagent"]["clock"]["computed_per_turn"] == [r["computed"] for r in doc["rows"][:3]]
+    agents.run("smollm2-135m", ["llama-cpp-python"], ["clock"], 1, path, "second", log=logged.append)
+    data = json.loads(path.read_text())
+    assert [(r["arm"], r["turn"]) for r in data["rows"]] == [("kvagent", 0), ("kvagent", 1), ("kvagent", 2),
+                                                             ("llama-cpp-python", 0)]
+    assert data["errors"] == {} and data["commands"] == {"kvagent / clock": "first", "llama-cpp-python / clock": "second"}
+    with pytest.raises(ValueError, match="unknown trace"):
+        agents.run("smollm2-135m", ["kvagent"], ["nope"], 3, path, "x")
