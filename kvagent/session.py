@@ -27,7 +27,7 @@ from kvagent.fields import check_changes
 from kvagent.generation import Decoder, Generation, GenerationStream, ReplyTokens, generation_work, start_stream
 from kvagent.kv.persist import restore_blob, save_blob
 from kvagent.kv.sequence import CachedSequence
-from kvagent.kv.rebase import rebase
+from kvagent.kv.rebase import align_rendered, rebase, refusal
 from kvagent.kv.splice import Refresh, splice_field, splice_refusal
 from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport, sync
@@ -135,8 +135,8 @@ class Session:
         the prompt's tokens, the reply budget that fits (clipped to the context; with eviction, as asked) and the
         KV cells it may add beyond what is cached. Raises :class:`ContextOverflowError` (nothing changed) when
         no reply fits. Reads only: safe beside running work."""
-        segments = [self.replies.resolve(s) for s in segments]
-        tokens = self.renderer.render([*segments, Segment.reply()]).tokens  # SegmentOrderError on a bad order
+        rendered = self.renderer.render([*(self.replies.resolve(s) for s in segments), Segment.reply()])
+        tokens = rendered.tokens  # SegmentOrderError on a bad order
         closing = self.renderer.closing_length("assistant") + 1
         n_ctx, evictor = self.n_ctx, self.cache.evictor
         if evictor is None:
@@ -146,7 +146,7 @@ class Session:
                     f"the prompt is {len(tokens)} tokens and the context {n_ctx}: no room for a reply; shorten the "
                     "messages or start a new session (nothing was changed)")
             max_tokens = min(max_tokens, room)
-        cells = len(tokens) - common_prefix(self.cache.tokens, tokens) + max_tokens + closing
+        cells = self._cells_to_bring(rendered) + max_tokens + closing
         if evictor is not None:
             cells = min(cells, evictor.budget + evictor.chunk + closing)
         return TurnFit(len(tokens), max_tokens, cells)
@@ -186,6 +186,19 @@ class Session:
         def detokenize(tokens: tuple[int, ...]) -> str:
             return b"".join(backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
+        policy = self._implicit
+        why = policy.recompute_because(self.model_fingerprint, self.prompt_format)
+        report = yield from rebase(self.cache, self.rendered, rendered, sync=self.sync_work, recompute_because=why,
+                                   detokenize=detokenize, frozen=self._frozen(), max_share=policy.max_share,
+                                   max_edits=policy.max_edits)
+        for edit in report.edits:
+            if edit.kind != "fallback":
+                name = field_name(edit.line)
+                self._discovered[name] = self._discovered.get(name, 0) + 1
+        return report
+
+    def _frozen(self) -> Callable[[Span], str | None]:
+        """Why a span of the current prompt may not be edited in place by a resend (None: it may)."""
         by_id = {seg.id: seg for seg in self._segments}
 
         def frozen(span: Span) -> str | None:
@@ -194,16 +207,23 @@ class Session:
                 return "a change inside an assistant turn that called tools (its calls are the model's own tokens)"
             return None
 
+        return frozen
+
+    def _cells_to_bring(self, new: Rendered) -> int:
+        """KV cells bringing the cache to ``new`` may add (an upper bound): the tokens after the common prefix, or,
+        where a resend would edit the changed regions in place, the tokens those regions and the end add."""
+        old = self.cache.tokens
+        keep = common_prefix(old, new.tokens)
+        if keep == len(old) or not self._segments:
+            return len(new.tokens) - keep
         policy = self._implicit
-        why = policy.recompute_because(self.model_fingerprint, self.prompt_format)
-        report = yield from rebase(self.cache, self.rendered, rendered, sync=self.sync_work, recompute_because=why,
-                                   detokenize=detokenize, frozen=frozen, max_share=policy.max_share,
-                                   max_edits=policy.max_edits)
-        for edit in report.edits:
-            if edit.kind != "fallback":
-                name = field_name(edit.line)
-                self._discovered[name] = self._discovered.get(name, 0) + 1
-        return report
+        hunks = align_rendered(self.rendered, new)
+        inner = [h for h in hunks if h.old_end < len(old)]
+        if (not inner or policy.recompute_because(self.model_fingerprint, self.prompt_format) is not None
+                or self.rendered.tokens != old
+                or refusal(self.rendered, new, inner, self._frozen(), policy.max_share, policy.max_edits) is not None):
+            return len(new.tokens) - keep
+        return sum(h.added for h in hunks)
 
     @property
     def discovered_fields(self) -> dict[str, int]:

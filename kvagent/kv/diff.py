@@ -18,6 +18,7 @@ which the rest is one hunk (the caller recomputes it), so a 100k-character promp
 from __future__ import annotations
 
 import bisect
+import difflib
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -69,6 +70,11 @@ def align(old: Sequence[int], new: Sequence[int], *, k: int = K, min_gap: int = 
     Applying them (:func:`apply`) to ``old`` gives ``new``. Equal runs between hunks are at least ``min_gap``
     tokens long (shorter ones are merged into the hunks around them)."""
     n, m = len(old), len(new)
+    tail = 0  # equal tokens at the end: the greedy pass cannot resynchronise on fewer than k of them
+    while tail < n and tail < m and old[n - 1 - tail] == new[m - 1 - tail]:
+        tail += 1
+    if 0 < tail < min(n, m):
+        return align(old[: n - tail], new[: m - tail], k=k, min_gap=min_gap)  # the same positions: the end is cut
     index: dict[tuple[int, ...], list[int]] = {}
     for p in range(n - k + 1):
         index.setdefault(tuple(old[p : p + k]), []).append(p)  # ascending: p grows
@@ -108,6 +114,43 @@ def align(old: Sequence[int], new: Sequence[int], *, k: int = K, min_gap: int = 
     return _merge(hunks, min_gap)
 
 
+def align_spans(old: Sequence[int], old_starts: Sequence[int], new: Sequence[int], new_starts: Sequence[int], *,
+                k: int = K, min_gap: int = MIN_GAP) -> list[Hunk]:
+    """:func:`align`, segment-aware: the prompts are cut into segments (``*_starts``: the first position of each, in
+    order), whole segments are matched first (a longest-common-subsequence over their token runs, as ``difflib``
+    does), and :func:`align` runs inside each stretch of segments that differ. A message cleared, dropped or
+    summarised is then found as such even where its text shares a phrase with a later one."""
+    a, b = _cut(old, old_starts), _cut(new, new_starts)
+    ends_a, ends_b = _ends(a), _ends(b)
+    hunks: list[Hunk] = []
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        o0, o1, n0, n1 = ends_a[i1], ends_a[i2], ends_b[j1], ends_b[j2]
+        hunks += [Hunk(h.old_start + o0, h.old_end + o0, h.new_start + n0, h.new_end + n0)
+                  for h in align(old[o0:o1], new[n0:n1], k=k, min_gap=min_gap)]
+    return _merge(hunks, min_gap)
+
+
+def _cut(tokens: Sequence[int], starts: Sequence[int]) -> list[tuple[int, ...]]:
+    bounds = [*(s for s in starts if 0 < s < len(tokens)), len(tokens)]
+    out, at = [], 0
+    for end in bounds:
+        if end > at:
+            out.append(tuple(tokens[at:end]))
+            at = end
+    return out
+
+
+def _ends(pieces: Sequence[tuple[int, ...]]) -> list[int]:
+    """Token offset at which each piece starts, then the total."""
+    out = [0]
+    for piece in pieces:
+        out.append(out[-1] + len(piece))
+    return out
+
+
 def _run(old: Sequence[int], new: Sequence[int], i: int, j: int, cap: int) -> int:
     """How many tokens agree from ``old[i]`` and ``new[j]`` on (at most ``cap``)."""
     n = 0
@@ -138,4 +181,4 @@ def apply(old: Sequence[int], new: Sequence[int], hunks: Sequence[Hunk]) -> list
     return out
 
 
-__all__ = ["Hunk", "align", "apply"]
+__all__ = ["Hunk", "align", "align_spans", "apply"]

@@ -8,7 +8,8 @@ prefix and recomputes the rest; :func:`rebase` first aligns the new tokens with 
 removed, an inserted span is decoded at its place, and the cells after each keep their KV, moved by RoPE
 re-rotation where the length changed (stale, as after a field-only edit: "Models Take Notes at Prefill",
 https://arxiv.org/abs/2606.17107, measures when that holds; kvagent's calibration says per model). What is left
-(the new messages at the end) is synced as usual.
+(the new messages at the end) is synced as usual. The alignment is segment-aware: whole segments (messages, the
+policy, skills) are matched first, then tokens inside the segments that differ.
 
 It falls back to that sync (a recompute from the first change, reported) when the model's calibration does not
 say splices hold, when a change lies inside a transplanted skill or a tool call, when the cache cannot be
@@ -22,7 +23,7 @@ import logging
 import time
 from typing import Callable
 
-from kvagent.kv.diff import Hunk, align
+from kvagent.kv.diff import Hunk, align_spans
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.splice import region_refusal, splice_region
 from kvagent.kv.sync import ImplicitEdit, PrefillReport
@@ -49,7 +50,7 @@ def rebase(state: CachedSequence, old: Rendered, new: Rendered, *, sync: Sync, r
     start = time.perf_counter()
     if tuple(state.tokens) != old.tokens or not old.tokens or new.tokens[: len(old.tokens)] == old.tokens:
         return (yield from sync(new))  # nothing cached to edit (or a cache that lags), or only new tokens at the end
-    hunks = align(old.tokens, new.tokens)
+    hunks = align_rendered(old, new)
     line = _line_of(new.tokens, detokenize)
     inner = [h for h in hunks if h.old_end < len(old.tokens)]  # regions with cached cells after them
     end = hunks[-1] if hunks and hunks[-1].old_end == len(old.tokens) and hunks[-1].removed else None
@@ -88,6 +89,11 @@ def rebase(state: CachedSequence, old: Rendered, new: Rendered, *, sync: Sync, r
                          tail.fidelity, tail.fell_back, tail.recomputed_because, tuple(edits))
 
 
+def align_rendered(old: Rendered, new: Rendered) -> list[Hunk]:
+    """The changed regions of two rendered prompts, segment by segment first (:func:`kvagent.kv.diff.align_spans`)."""
+    return align_spans(old.tokens, [s.first for s in old.spans], new.tokens, [s.first for s in new.spans])
+
+
 def refusal(old: Rendered, new: Rendered, hunks: list[Hunk], frozen: Frozen, max_share: float,
              max_edits: int) -> str | None:
     """Why these changes are recomputed rather than spliced, before anything changes (None: splice them)."""
@@ -121,4 +127,4 @@ def _line_of(tokens: tuple[int, ...], detokenize: Detokenize) -> Callable[[int],
     return line
 
 
-__all__ = ["MAX_EDITS", "MAX_SHARE", "ImplicitEdit", "rebase", "refusal"]
+__all__ = ["MAX_EDITS", "MAX_SHARE", "ImplicitEdit", "align_rendered", "rebase", "refusal"]

@@ -10,6 +10,7 @@ back (shifted by RoPE when the field's length changed) and the ``refresh`` posit
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Iterable
 
@@ -20,6 +21,7 @@ from kvagent.kv.sync import PrefillReport
 from kvagent.segments import Rendered, Span, common_prefix
 
 Refresh = Callable[[Rendered, Span], Iterable[int]]
+log = logging.getLogger(__name__)
 
 
 def splice_refusal(state: CachedSequence, old: Rendered, new: Rendered, index: int) -> str | None:
@@ -105,13 +107,22 @@ def splice_region(state: CachedSequence, new_tokens: tuple[int, ...], first: int
                 # K-shift that llama.cpp applies to the whole KV buffer at the next decode, every cell of it
                 moved = pool.moved_state(backend.seq_save_writable(park), old_end, delta, in_place=True)
             if moved is not None or (shift and shared):
-                # the park gets cells of its own: the moved bytes, or a copy to shift (a shift moves every sharer)
+                # the park gets cells of its own: the moved bytes, or a copy to shift (a shift moves every sharer).
+                # The sequence lets its cells go first, so a splice never holds the downstream twice
                 payload = moved if moved is not None else state.save()
                 backend.seq_rm(park, 0, -1)
                 pool.cut(park, 0)
-                backend.seq_restore(park, payload)
-                if moved is None:
-                    backend.seq_rm(park, 0, old_end)
+                state.cut(first)
+                try:
+                    backend.seq_restore(park, payload)
+                except Exception as exc:  # no room for the copy: what follows the region is decoded instead
+                    log.warning("seq %d: the cells after an edited region could not be moved (%s): recomputing them",
+                                seq, exc)
+                    backend.seq_rm(park, 0, -1)
+                    fresh, shift = set(range(first, n_new)), False
+                else:
+                    if moved is None:
+                        backend.seq_rm(park, 0, old_end)
         state.cut(first)
         if shift and moved is None:
             # the park is now the only holder of those cells: shifting them moves nobody else

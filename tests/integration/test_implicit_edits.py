@@ -123,3 +123,14 @@ def test_a_region_edited_turn_after_turn_is_a_discovered_field(engine: Any) -> N
             history += [messages[-1], ChatMessage("assistant", gen.text)]
         assert session.discovered_fields == {"Current time": 2}
         assert [e.kind for e in gen.edits] == ["replace"] and gen.edits[0].line == "Current time: 2026-12-06 09:12"
+
+
+def test_a_turn_that_edits_in_place_reserves_only_the_cells_it_adds(engine: Any) -> None:
+    # the server makes room in the shared KV pool from this estimate: a changed clock line must not reserve the
+    # whole prompt again (a 4k-token prompt in an 8k pool would be refused)
+    with engine.session(to_segments(OLD), share_prefix=False) as session:
+        session.prefill()
+        closing = session.renderer.closing_length("assistant") + 1
+        edited = session.fit(to_segments([system(11), *TURNS, ChatMessage("user", "One more.")]), 8)
+        rebuilt = session.fit(to_segments([ChatMessage("system", "You are a poet. " * 40), ChatMessage("user", "Hi")]), 8)
+        assert edited.cells <= 1 + 12 + 8 + closing < rebuilt.cells  # the minute, the new message, the reply

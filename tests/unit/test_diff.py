@@ -8,7 +8,7 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvagent.kv.diff import K, Hunk, align, apply
+from kvagent.kv.diff import K, Hunk, align, align_spans, apply
 
 BASE = list(range(100, 400))  # 300 distinct tokens: a prompt with no repeated k-gram
 
@@ -98,7 +98,7 @@ def test_a_deleted_line_among_lines_alike_is_one_deletion() -> None:
     old = [t for line in lines for t in line]
     new = [t for i, line in enumerate(lines) if i != 4 for t in line]
     (hunk,) = align(old, new)  # where the deletion starts inside the shared wording is a matter of taste
-    assert hunk.kind == "delete" and hunk.removed == 11 and 44 <= hunk.old_start <= 47
+    assert hunk.kind == "delete" and hunk.removed == 11 and 43 <= hunk.old_start <= 47
 
 
 def test_a_long_block_replaced_by_a_short_one_resynchronises() -> None:
@@ -108,3 +108,20 @@ def test_a_long_block_replaced_by_a_short_one_resynchronises() -> None:
     assert align(old, new) == [Hunk(300, 700, 300, 302)]
     grown = [*old[:300], *range(5000, 5500), *old[300:]]
     assert align(old, grown) == [Hunk(300, 300, 300, 800)]
+
+
+def test_segments_are_matched_before_tokens() -> None:
+    # a long tool result cleared, whose text shares a 20-token phrase with the next result: token by token the
+    # phrase pulls the alignment into the wrong result; segment by segment the cleared result is one region
+    phrase = list(range(7000, 7020))
+    result_1 = [1, 2, *range(100, 200), *phrase, *range(200, 300), 3]
+    turn = [4, 5, *range(400, 440), 6]
+    result_2 = [1, 2, *phrase, *range(500, 540), 3]
+    cleared = [1, 2, 9, 3]
+    old_segments = [list(range(1000, 1300)), result_1, turn, result_2]
+    new_segments = [list(range(1000, 1300)), cleared, turn, result_2]
+    old = [t for s in old_segments for t in s]
+    new = [t for s in new_segments for t in s]
+    starts = lambda segments: [sum(len(s) for s in segments[:i]) for i in range(len(segments))]  # noqa: E731
+    hunks = align_spans(old, starts(old_segments), new, starts(new_segments))
+    assert hunks == [Hunk(302, 522, 302, 303)] and apply(old, new, hunks) == new  # the closing token kept
