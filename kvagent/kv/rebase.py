@@ -112,6 +112,9 @@ def refusal(old: Rendered, new: Rendered, hunks: list[Hunk], frozen: Frozen, max
             reason = frozen(span)
             if reason is not None:
                 return reason
+        if h.added and any(span.kind is SegmentKind.SKILL and span.first < h.new_end and span.last >= h.new_start
+                           for span in new.spans):
+            return "a skill or tool spec is added or changed (the sync transplants it rather than decoding it)"
     return None
 
 

@@ -14,7 +14,9 @@ SPANS = (Span("policy", SegmentKind.POLICY, 0, 99, True), Span("skill", SegmentK
          Span("call", SegmentKind.TURN, 200, 299, False, label="assistant"),
          Span("user", SegmentKind.TURN, 300, 399, False, label="user"))
 OLD = Rendered(tuple(range(400)), SPANS)
-NEW = Rendered(tuple(range(400)), SPANS)
+NEW = Rendered(tuple(range(410)), (Span("policy", SegmentKind.POLICY, 0, 49, True),
+                                   Span("new skill", SegmentKind.SKILL, 50, 59, True), *(
+    Span(s.segment_id, s.kind, s.first + 10, s.last + 10, s.pinned, label=s.label) for s in SPANS[1:])))
 
 
 def frozen(span: Span) -> str | None:
@@ -30,6 +32,7 @@ CASES = [
     ("inside a tool call", [Hunk(250, 252, 250, 252)], "a tool call"),
     ("more changed than half of what follows", [Hunk(300, 301, 300, 360)], "more than 50%"),
     ("too many regions", [Hunk(i, i + 1, i, i + 1) for i in range(0, 90, 10)], "9 changed regions"),
+    ("a skill inserted", [Hunk(50, 50, 50, 60)], "transplants it"),
 ]
 
 

@@ -484,9 +484,11 @@ def bench_implicit(
     traces: str = typer.Option("clock,memory,cleared,summary,tools", help="Agent traces, comma-separated."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
                                    "bench/results/implicit-<model>.json)."),
+    parts: str = typer.Option("diff,crossover,fidelity", help="Parts, comma-separated: diff (its cost on 100k "
+                              "characters), crossover (splice vs recompute), fidelity; the JSON keeps the others."),
 ) -> None:
     """Implicit edits in process: fidelity on the agents traces against a cold prefill next to the cache's own noise
-    floor (turns 1, 4 and 7), splice vs recompute as the changed share grows, and the diff's cost on 100k characters."""
+    floor (turns 2 and 5), splice vs recompute as the changed share grows, and the diff's cost on 100k characters."""
     from kvagent.models import REGISTRY
     from kvagent_bench import implicit
 
@@ -497,9 +499,14 @@ def bench_implicit(
     if not chosen or set(chosen) - set(implicit.TRACES):
         console.print(f"[red]error:[/] unknown traces {traces!r}: use {', '.join(implicit.TRACES)}")
         raise typer.Exit(2)
+    chosen_parts = [x.strip() for x in parts.split(",") if x.strip()]
+    if not chosen_parts or set(chosen_parts) - set(implicit.PARTS):
+        console.print(f"[red]error:[/] unknown parts {parts!r}: use {', '.join(implicit.PARTS)}")
+        raise typer.Exit(2)
     json_path = json_path or implicit.default_json(model)
     with console.status("implicit edits") as status:
-        doc = implicit.run(model, chosen, json_path, command_line(), progress=lambda m: status.update(m))
+        doc = implicit.run(model, chosen, json_path, command_line(), progress=lambda m: status.update(m),
+                           parts=chosen_parts)
     print_table(f"implicit edits vs a cold prefill, {model} ({json_path})",
                 ("trace", "measured turns", "median cosine", "median noise floor", "median - floor", "min cosine",
                  "top-1 agrees"),
@@ -509,8 +516,9 @@ def bench_implicit(
     print_table("splice vs recompute as the changed share of what follows grows",
                 ("changed share", "splice s", "recompute s", "splice computed", "recompute computed"),
                 [[f"{r['share']:.2f}", f"{r['splice_s']:.3f}", f"{r['recompute_s']:.3f}", str(r["splice_computed"]),
-                  str(r["recompute_computed"])] for r in doc["crossover"]])
+                  str(r["recompute_computed"])] for r in doc["crossover"] or []])
     cost = doc["diff_cost"]
-    console.print(f"diff of a {cost['chars']:,}-character prompt ({cost['old_tokens']:,} tokens): {cost['hunks']} "
-                  f"regions in {cost['align_s'] * 1e3:.0f} ms; a cold prefill of {cost['prefill_tokens']:,} tokens: "
-                  f"{cost['prefill_s']:.1f} s")
+    if cost:
+        console.print(f"diff of a {cost['chars']:,}-character prompt ({cost['old_tokens']:,} tokens): "
+                      f"{cost['hunks']} regions in {cost['align_s'] * 1e3:.0f} ms; a cold prefill of "
+                      f"{cost['prefill_tokens']:,} tokens: {cost['prefill_s']:.1f} s")

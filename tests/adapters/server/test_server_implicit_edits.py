@@ -27,7 +27,8 @@ def _client(app: Any) -> Any:
                               http_client=httpx.AsyncClient(transport=transport, timeout=300))
 
 
-@pytest.mark.parametrize("how", ["prompt_cache_key", "user", "header"])
+@pytest.mark.parametrize("how", ["prompt_cache_key", pytest.param("user", marks=pytest.mark.full),
+                                 pytest.param("header", marks=pytest.mark.full)])
 def test_a_changed_clock_line_is_edited_in_place_not_recomputed(core_engine: Any, how: str) -> None:
     async def main() -> None:
         async with served(core_engine) as (app, client):
