@@ -73,6 +73,7 @@ def test_openai_client_streams_with_usage_and_cached_tokens_grow(server: tuple[s
         oa.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.e2e  # the examples run as a user runs them: the full tier
 def test_the_dynamic_prompt_example_computes_the_changed_line_and_the_new_message(server: tuple[str, int]) -> None:
     import importlib.util
     from pathlib import Path
