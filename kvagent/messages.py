@@ -98,14 +98,12 @@ class MessageLog:
         self.messages: list[ChatMessage] = []
         self.tools: list[Segment] = []
 
-    def bind_tools(self, tools: Sequence[Segment]) -> bool:
-        """Take the call's tool segments; True when they differ from the last call's (by id and text): the prompt's
-        static part changes, so the next plan rebuilds from the messages instead of extending the old prompt."""
-        if _described(tools) == _described(self.tools):
-            return False
-        self.commit([])
-        self.tools = list(tools)
-        return True
+    def bind_tools(self, tools: Sequence[Segment]) -> None:
+        """Take the call's tool segments; where they differ from the last call's (by id and text) the prompt's static
+        part changes, so the next plan rebuilds from the messages instead of extending the old prompt."""
+        if _described(tools) != _described(self.tools):
+            self.commit([])
+            self.tools = list(tools)
 
     def plan(self, current: Sequence[Segment], messages: Sequence[ChatMessage], static: Sequence[Segment]) -> list[Segment]:
         """The prompt for ``messages`` given the session's ``current`` segments (call :meth:`commit` or :meth:`record`

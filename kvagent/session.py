@@ -27,7 +27,8 @@ from kvagent.fields import check_changes
 from kvagent.generation import Decoder, Generation, GenerationStream, ReplyTokens, generation_work, start_stream
 from kvagent.kv.persist import restore_blob, save_blob
 from kvagent.kv.sequence import CachedSequence
-from kvagent.kv.rebase import align_rendered, rebase, refusal
+from kvagent.kv.rebase import plan as plan_rebase
+from kvagent.kv.rebase import rebase
 from kvagent.kv.splice import Refresh, splice_field, splice_refusal
 from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport, sync
@@ -186,19 +187,17 @@ class Session:
         def detokenize(tokens: tuple[int, ...]) -> str:
             return b"".join(backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
-        policy = self._implicit
-        why = policy.recompute_because(self.model_fingerprint, self.prompt_format)
-        report = yield from rebase(self.cache, self.rendered, rendered, sync=self.sync_work, recompute_because=why,
-                                   detokenize=detokenize, frozen=self._frozen(), max_share=policy.max_share,
-                                   max_edits=policy.max_edits)
+        report = yield from rebase(self.cache, self.rendered, rendered, sync=self.sync_work, detokenize=detokenize,
+                                   **self._rebase_options())
         for edit in report.edits:
             if edit.kind != "fallback":
                 name = field_name(edit.line)
                 self._discovered[name] = self._discovered.get(name, 0) + 1
         return report
 
-    def _frozen(self) -> Callable[[Span], str | None]:
-        """Why a span of the current prompt may not be edited in place by a resend (None: it may)."""
+    def _rebase_options(self) -> dict[str, Any]:
+        """What ``kv.rebase`` decides with for this session: the model's calibration (``recompute_because``), the
+        spans a resend may not edit in place (``frozen``: an assistant turn that called tools), the policy's bounds."""
         by_id = {seg.id: seg for seg in self._segments}
 
         def frozen(span: Span) -> str | None:
@@ -207,21 +206,19 @@ class Session:
                 return "a change inside an assistant turn that called tools (its calls are the model's own tokens)"
             return None
 
-        return frozen
+        policy = self._implicit
+        return {"recompute_because": policy.recompute_because(self.model_fingerprint, self.prompt_format),
+                "frozen": frozen, "max_share": policy.max_share, "max_edits": policy.max_edits}
 
     def _cells_to_bring(self, new: Rendered) -> int:
         """KV cells bringing the cache to ``new`` may add (an upper bound): the tokens after the common prefix, or,
         where a resend would edit the changed regions in place, the tokens those regions and the end add."""
         old = self.cache.tokens
         keep = common_prefix(old, new.tokens)
-        if keep == len(old) or not self._segments:
+        if keep == len(old) or not self._segments or self.rendered.tokens != old:
             return len(new.tokens) - keep
-        policy = self._implicit
-        hunks = align_rendered(self.rendered, new)
-        inner = [h for h in hunks if h.old_end < len(old)]
-        if (not inner or policy.recompute_because(self.model_fingerprint, self.prompt_format) is not None
-                or self.rendered.tokens != old
-                or refusal(self.rendered, new, inner, self._frozen(), policy.max_share, policy.max_edits) is not None):
+        hunks, inner, why = plan_rebase(self.rendered, new, **self._rebase_options())
+        if not inner or why is not None:
             return len(new.tokens) - keep
         return sum(h.added for h in hunks)
 

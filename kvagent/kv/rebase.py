@@ -50,20 +50,18 @@ def rebase(state: CachedSequence, old: Rendered, new: Rendered, *, sync: Sync, r
     start = time.perf_counter()
     if tuple(state.tokens) != old.tokens or not old.tokens or new.tokens[: len(old.tokens)] == old.tokens:
         return (yield from sync(new))  # nothing cached to edit (or a cache that lags), or only new tokens at the end
-    hunks = align_rendered(old, new)
+    hunks, inner, why = plan(old, new, recompute_because=recompute_because, frozen=frozen, max_share=max_share,
+                             max_edits=max_edits)
     line = _line_of(new.tokens, detokenize)
-    inner = [h for h in hunks if h.old_end < len(old.tokens)]  # regions with cached cells after them
     end = hunks[-1] if hunks and hunks[-1].old_end == len(old.tokens) and hunks[-1].removed else None
-    why = (recompute_because or refusal(old, new, inner, frozen, max_share, max_edits)) if inner else None
     edits: list[ImplicitEdit] = []
     computed = 0
     offset = 0  # how far the regions already spliced moved the old positions after them
-    for h in inner if why is None else ():
+    for k, h in enumerate(inner if why is None else ()):
         first, old_end, new_end = h.old_start + offset, h.old_end + offset, h.new_end
-        refused = region_refusal(state, first, old_end, h.delta)
-        if refused is not None:
-            why = refused
-            inner = inner[inner.index(h):]
+        why = region_refusal(state, first, old_end, h.delta)
+        if why is not None:  # the regions before it are spliced; it and the rest are recomputed
+            inner = inner[k:]
             break
         cur = state.tokens
         target = (*cur[:first], *new.tokens[h.new_start:h.new_end], *cur[old_end:])
@@ -87,6 +85,16 @@ def rebase(state: CachedSequence, old: Rendered, new: Rendered, *, sync: Sync, r
                                   len(new.tokens), tail.computed, line(first_change.new_start), why))
     return PrefillReport(reused, computed, time.perf_counter() - start, tail.shared, tail.transplanted,
                          tail.fidelity, tail.fell_back, tail.recomputed_because, tuple(edits))
+
+
+def plan(old: Rendered, new: Rendered, *, recompute_because: str | None, frozen: Frozen = lambda span: None,
+         max_share: float = MAX_SHARE, max_edits: int = MAX_EDITS) -> tuple[list[Hunk], list[Hunk], str | None]:
+    """What :func:`rebase` will do, before anything changes: (every changed region, those with cached cells after
+    them, why those are recomputed from the first rather than spliced: None when they are spliced)."""
+    hunks = align_rendered(old, new)
+    inner = [h for h in hunks if h.old_end < len(old.tokens)]
+    why = (recompute_because or refusal(old, new, inner, frozen, max_share, max_edits)) if inner else None
+    return hunks, inner, why
 
 
 def align_rendered(old: Rendered, new: Rendered) -> list[Hunk]:
@@ -130,4 +138,4 @@ def _line_of(tokens: tuple[int, ...], detokenize: Detokenize) -> Callable[[int],
     return line
 
 
-__all__ = ["MAX_EDITS", "MAX_SHARE", "ImplicitEdit", "align_rendered", "rebase", "refusal"]
+__all__ = ["MAX_EDITS", "MAX_SHARE", "ImplicitEdit", "align_rendered", "plan", "rebase", "refusal"]
