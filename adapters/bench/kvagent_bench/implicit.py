@@ -39,10 +39,9 @@ def default_json(model: str) -> Path:
 
 
 def _messages(raw: Sequence[dict[str, Any]]) -> list[Any]:
-    from kvagent_server.schemas import MessageIn
-    from kvagent_server.tools import chat_messages
+    from kvagent.openai_shape import chat_messages
 
-    return chat_messages([MessageIn.model_validate(m) for m in raw])
+    return chat_messages(raw)
 
 
 PARTS = ("diff", "crossover", "fidelity")

@@ -12,8 +12,9 @@ one operation (``langchain_kvagent.operations``); the sessions are the chat mode
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
@@ -23,6 +24,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_core.tools import BaseTool
 from pydantic import Field, InstanceOf, PrivateAttr, SecretStr, model_validator
 
+from kvagent.aio import AsyncSession
 from kvagent.edits.base import EditReport
 from kvagent.engine import Engine
 from kvagent.errors import EvictionError
@@ -31,15 +33,14 @@ from kvagent.fields import FieldSpec
 from kvagent.memory import MemoryBlock
 from kvagent.models import DEFAULT_MODEL
 from kvagent.policies import get_policy
-from kvagent.segments import Segment
 from kvagent.session import Session
 from kvagent.skills.spec import SkillSpec
 
 from langchain_kvagent import memory
 from langchain_kvagent import operations as ops
-from langchain_kvagent import streaming, structured
-from langchain_kvagent.convert import (DEFAULT_SESSION, Call, chat_result, parse_call, to_chat_messages,
-                                      to_langchain, usage_metadata)
+from langchain_kvagent import structured
+from langchain_kvagent.convert import (DEFAULT_SESSION, Call, Chunks, chat_result, last_chunk, parse_call,
+                                      to_chat_messages, to_langchain, usage_metadata)
 from langchain_kvagent.conversations import Conversations
 from langchain_kvagent.registry import Turn
 from langchain_kvagent.skills import find_skill, skill_files
@@ -231,30 +232,54 @@ class ChatKVAgent(BaseChatModel):
     # -- generation ---------------------------------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        call = parse_call(self, messages, stop, kwargs)
-        gen, turn = self.conversations.drive(call.key, lambda e: ops.respond(e, call, self._tools(call)))
-        return chat_result(self.model, gen, turn, call.key)
+        call = self._parse(messages, stop, kwargs)
+        with self.conversations.entered(call.key) as entry:
+            plan = entry.plan(call.messages, call.max_tokens, call.segments)
+            gen, cost = entry.conversation.respond(entry.live, plan, call.options, timeout=self.timeout)
+        return chat_result(self.model, gen, cost, call.key)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        call = parse_call(self, messages, stop, kwargs)
-        gen, turn = await self.conversations.adrive(call.key, lambda e: ops.respond(e, call, self._tools(call)))
-        return chat_result(self.model, gen, turn, call.key)
+        call = await asyncio.to_thread(self._parse, messages, stop, kwargs)  # may load the model, compile tools
+        async with self.conversations.aentered(call.key) as entry:
+            plan = entry.plan(call.messages, call.max_tokens, call.segments)
+            gen, cost = await entry.conversation.arespond(AsyncSession(entry.live), plan, call.options,
+                                                          timeout=self.timeout)
+        return chat_result(self.model, gen, cost, call.key)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        yield from streaming.stream(self.conversations, self.model, parse_call(self, messages, stop, kwargs),
-                                    self.timeout)
+        call = self._parse(messages, stop, kwargs)
+        deadline, chunks = self.conversations.deadline(), Chunks(call.tools is not None)
+        with self.conversations.entered(call.key) as entry:
+            plan = entry.plan(call.messages, call.max_tokens, call.segments)
+            with entry.conversation.stream(entry.live, plan, call.options) as pieces:
+                for piece in pieces:
+                    deadline.check()
+                    yield from chunks.feed(piece)
+            yield from chunks.finish()
+            gen, cost = entry.conversation.finish(plan, pieces)
+        yield last_chunk(self.model, call, gen, cost)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        async for chunk in streaming.astream(self.conversations, self.model, parse_call(self, messages, stop, kwargs),
-                                             self.timeout):
-            yield chunk
+        call = await asyncio.to_thread(self._parse, messages, stop, kwargs)
+        deadline, chunks = self.conversations.deadline(), Chunks(call.tools is not None)
+        async with self.conversations.aentered(call.key) as entry:
+            plan = entry.plan(call.messages, call.max_tokens, call.segments)
+            async with entry.conversation.astream(AsyncSession(entry.live), plan, call.options) as pieces:
+                async for piece in pieces:
+                    deadline.check()
+                    for chunk in chunks.feed(piece):
+                        yield chunk
+            for chunk in chunks.finish():
+                yield chunk
+            gen, cost = entry.conversation.finish(plan, pieces)
+        yield last_chunk(self.model, call, gen, cost)
 
-    def _tools(self, call: Call) -> Callable[[], list[Segment]]:
-        return lambda: self.conversations.tool_segments(call.tools)
+    def _parse(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Call:
+        return parse_call(self, messages, stop, kwargs, self.conversations.toolsets())
 
     # -- engines and sessions (``langchain_kvagent.conversations``) ---------------------------------
     def model_post_init(self, context: Any) -> None:

@@ -1,12 +1,15 @@
 """The conversations of one ``ChatKVAgent``: its entries in the engine slot's session table, locked and opened
-for each call, and the two drivers (sync, async) of its operations (``langchain_kvagent.operations``)."""
+for each call (:meth:`Conversations.entered`), and the two drivers (sync, async) of its other operations
+(``langchain_kvagent.operations``). A turn itself runs on the entry's ``kvagent.conversation.Conversation``."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 import weakref
-from typing import Any, Callable, Protocol
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol
 
 from langchain_core.messages import BaseMessage
 
@@ -15,8 +18,8 @@ from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
 from kvagent.memory import Memory, MemoryBlock
 from kvagent.segments import Segment
+from kvagent.openai_shape import ToolSets
 from kvagent.session import Session
-from kvagent.tools import ToolSet
 
 from langchain_kvagent import operations as ops
 from langchain_kvagent.convert import DEFAULT_SESSION, to_langchain
@@ -49,13 +52,25 @@ class ChatSettings(Protocol):
 
 
 
+class Deadline:
+    """When a streamed call must end (None: never); checked at each generated piece, since a sync generator
+    cannot be cancelled from outside. Raising inside the session's stream block rolls the turn back."""
+
+    def __init__(self, timeout: float | None, message: str) -> None:
+        self.at = time.monotonic() + timeout if timeout is not None else None
+        self.message = message
+
+    def check(self) -> None:
+        if self.at is not None and time.monotonic() > self.at:
+            raise TimeoutError(self.message)
+
+
 class Conversations:
     """One chat model's sessions, keyed by session key (the chat model's own namespace of the table)."""
 
     def __init__(self, model: ChatSettings) -> None:
         self.model, self.owner = model, uuid.uuid4().hex  # the owner: this chat model's namespace of the table
         self._finalizer: Any = None
-        self._tools: dict[int, tuple[ToolSet, list[Segment]]] = {}
 
     def slot(self) -> EngineSlot:
         m = self.model
@@ -73,14 +88,9 @@ class Conversations:
             self.owner, key, specs=tuple(declared), values={spec.name: spec.initial for spec in declared},
             eviction=m.eviction, memory=Memory(m.memory, m.memory_position) if m.memory else None))
 
-    def tool_segments(self, tools: ToolSet | None) -> list[Segment]:
-        """The segments describing ``tools`` (compiled as skills once per model; remembered per tool set)."""
-        if not tools:
-            return []
-        found = self._tools.get(id(tools))
-        if found is None or found[0] is not tools:
-            found = self._tools[id(tools)] = (tools, self.engine().tool_segments(tools))
-        return found[1]
+    def toolsets(self) -> ToolSets:
+        """Tool sets bound on the engine and their compiled segments, by content (loads the engine)."""
+        return self.slot().toolsets
 
     def skill_segment(self, spec: Any, path: Any) -> Segment:
         return skill_segment(self.engine(), spec, path, compile=self.model.compile_skills, model=self.model.model)
@@ -119,25 +129,40 @@ class Conversations:
             raise
         return entry
 
-    def drive(self, key: str | None, operation: Callable[[SessionEntry], ops.Operation[Any]]) -> Any:
-        """Run ``operation(entry)`` on session ``key`` in this thread."""
+    @contextmanager
+    def entered(self, key: str | None) -> Iterator[SessionEntry]:
+        """Session ``key``'s entry, locked and open for the block; a timeout inside is reported with the fix."""
         entry = self.enter(key)
         try:
-            return ops.drive(entry, operation(entry), self.model.timeout)
+            yield entry
         except TimeoutError:
             raise TimeoutError(self.timeout_message()) from None
         finally:
             entry.lock.release()
 
-    async def adrive(self, key: str | None, operation: Callable[[SessionEntry], ops.Operation[Any]]) -> Any:
-        """:meth:`drive`, awaited."""
+    @asynccontextmanager
+    async def aentered(self, key: str | None) -> AsyncIterator[SessionEntry]:
+        """:meth:`entered`, awaited."""
         entry = await self.aenter(key)
         try:
-            return await ops.adrive(entry, operation(entry), self.model.timeout)
+            yield entry
         except TimeoutError:
             raise TimeoutError(self.timeout_message()) from None
         finally:
             entry.lock.release()
+
+    def drive(self, key: str | None, operation: Callable[[SessionEntry], ops.Operation[Any]]) -> Any:
+        """Run ``operation(entry)`` on session ``key`` in this thread."""
+        with self.entered(key) as entry:
+            return ops.drive(entry, operation(entry), self.model.timeout)
+
+    async def adrive(self, key: str | None, operation: Callable[[SessionEntry], ops.Operation[Any]]) -> Any:
+        """:meth:`drive`, awaited."""
+        async with self.aentered(key) as entry:
+            return await ops.adrive(entry, operation(entry), self.model.timeout)
+
+    def deadline(self) -> Deadline:
+        return Deadline(self.model.timeout, self.timeout_message())
 
     def timeout_message(self) -> str:
         return (f"ChatKVAgent call took longer than timeout={self.model.timeout}s: cancelled and rolled back; raise "
@@ -164,7 +189,7 @@ class Conversations:
 
     def messages(self, key: str | None) -> list[BaseMessage]:
         found = self.find(key)
-        return [to_langchain(m) for m in found.log.messages] if found is not None else []
+        return [to_langchain(m) for m in found.conversation.messages] if found is not None else []
 
     def turns(self, key: str | None) -> list[Turn]:
         found = self.find(key)

@@ -24,9 +24,8 @@ from kvagent.sessions import Snapshot
 from kvagent.skills.spec import SkillSpec
 
 from langchain_kvagent import memory
-from langchain_kvagent.convert import Call
 from langchain_kvagent.errors import UndeclaredFieldError
-from langchain_kvagent.registry import SessionEntry, Turn
+from langchain_kvagent.registry import SessionEntry
 
 T = TypeVar("T")
 Step = Union[Work[Any], Callable[[], Any]]
@@ -88,15 +87,6 @@ def check_fields(specs: Sequence[FieldSpec], changes: Mapping[str, object]) -> d
     return {name: declared[name].check(value) for name, value in changes.items()}
 
 
-def respond(entry: SessionEntry, call: Call, tools: Callable[[], list[Segment]]) -> Operation[tuple[Any, Turn]]:
-    """Generate the reply to ``call.messages`` (the history the client resent; ``tools()``: the segments of the
-    call's bound tools, compiled once per model); (generation, turn)."""
-    tool_segments = (yield tools) if call.tools else []
-    segments, max_tokens = entry.plan(call.messages, call.max_tokens, tool_segments)
-    gen = yield entry.live.respond_work(max_tokens, segments=segments, **call.options)
-    return gen, entry.commit(call.messages, gen)
-
-
 def set_fields(entry: SessionEntry, checked: dict[str, object]) -> Operation[EditReport | None]:
     """The changed values as one ``set_many``, or into the first prompt while the session holds no conversation."""
     changed = {k: v for k, v in checked.items() if entry.field_values().get(k) != v}
@@ -106,7 +96,7 @@ def set_fields(entry: SessionEntry, checked: dict[str, object]) -> Operation[Edi
         entry.values.update(changed)
         return None
     report = yield entry.live.set_many_work(changed)
-    entry.charge(report.computed)
+    entry.conversation.charge(report.computed)
     return report  # type: ignore[no-any-return]
 
 
@@ -126,7 +116,7 @@ def include(entry: SessionEntry, spec: SkillSpec, segment: Callable[[], Segment]
     resolved = yield segment  # checked compiled (or compiled) on the engine's worker
     if not entry.fresh:
         report = yield entry.live.include_work(spec)
-        entry.charge(report.computed, report.transplanted)
+        entry.conversation.charge(report.computed, report.transplanted)
     entry.skills.append(resolved)
     return True
 
@@ -140,21 +130,21 @@ def drop(entry: SessionEntry, name: str) -> Operation[bool]:
     if not entry.fresh:
         report = yield entry.live.replace_work([s for s in entry.live.segments
                                                 if not (s.kind.value == "skill" and s.name == name)])
-        entry.charge(report.computed, report.transplanted)
+        entry.conversation.charge(report.computed, report.transplanted)
     return True
 
 
 def set_eviction(entry: SessionEntry, eviction: Eviction | None, open_session: Callable[[], Any]) -> Operation[None]:
     """A new session with ``eviction`` takes over the prompt (from the old one's cached prefix); on failure the
     old one stays."""
-    old, log, before = entry.live, entry.log, entry.eviction
+    old, log, before = entry.live, entry.conversation.log, entry.eviction
     entry.eviction = eviction
     try:
         yield open_session
     except BaseException:
         entry.eviction, entry.session = before, old
         raise
-    entry.log = log
+    entry.conversation.log = log  # opening forgot it: the new session takes over the same messages
     try:
         if old.segments:
             yield entry.live.replace_work(old.segments)
@@ -169,7 +159,7 @@ def save(entry: SessionEntry, path: Path) -> Operation[int]:
     """Write the conversation (KV, prompt, history) as a snapshot; returns the bytes written."""
     blob = yield entry.live.save_work()
     skills = [s.name for s in entry.skills if s.name]
-    snapshot = Snapshot(tuple(entry.live.segments), tuple(entry.log.messages), blob, {"skills": skills})
+    snapshot = Snapshot(tuple(entry.live.segments), tuple(entry.conversation.messages), blob, {"skills": skills})
     return (yield lambda: snapshot.write(path))  # type: ignore[no-any-return]
 
 
@@ -181,7 +171,6 @@ def load(entry: SessionEntry, path: Path) -> Operation[None]:
         yield entry.live.restore_work(snapshot.blob, segments)
     else:  # saved without KV: prefilled again
         yield entry.live.replace_work(segments)
-    entry.log.commit(snapshot.messages)
+    entry.conversation.restore(snapshot.messages)
     names = set(snapshot.meta.get("skills", []))
     entry.skills = [s for s in segments if s.name in names and s.kind.value == "skill"]
-    entry.pending_computed = entry.pending_transplanted = 0

@@ -8,7 +8,7 @@ short of free sequences (one is kept free for skill transplants and KV splices),
 session is closed (those of collected chat models first); its entry stays, with its field values and skills,
 and its conversation is rebuilt from the history the client resends on its next call.
 
-Invariant: an entry's :class:`~kvagent.messages.MessageLog` describes the message segments its session
+Invariant: an entry's :class:`~kvagent.conversation.Conversation` describes the message segments its session
 holds, because every change the adapter makes to a session happens while holding the entry's lock.
 """
 
@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from kvagent.engine import Engine
-from kvagent.messages import ChatMessage, MessageLog, is_message_segment
+from kvagent.conversation import Conversation, Cost, Plan
+from kvagent.messages import ChatMessage, is_message_segment
+from kvagent.openai_shape import ToolSets
 from kvagent.segments import Segment
 from kvagent.sessions import NoRoom, OrphansFirst, SessionTable, TableEntry
 
 if TYPE_CHECKING:
     from kvagent.eviction import Eviction
     from kvagent.fields import FieldSpec
-    from kvagent.generation import Generation
     from kvagent.memory import Memory
     from kvagent.session import Session
 
@@ -50,41 +51,8 @@ class EngineKey:
                            capture=self.capture)
 
 
-@dataclass(frozen=True)
-class Turn:
-    """What one generation cost, with the adapter's own edits and includes since the previous turn.
-
-    ``reused + computed + transplanted == input_tokens`` (the whole prompt); ``computed`` counts the
-    tokens of errata and included skills the adapter decoded for this turn before generating.
-    """
-
-    input_tokens: int
-    reused: int
-    computed: int
-    transplanted: int
-    output_tokens: int
-    finish_reason: str
-    ttft_s: float
-    total_s: float
-
-    @property
-    def cache_read(self) -> int:
-        """Prompt tokens whose KV was not computed for this turn: reused from the cache or transplanted."""
-        return self.reused + self.transplanted
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second after the first one."""
-        span = self.total_s - self.ttft_s
-        return (self.output_tokens - 1) / span if self.output_tokens > 1 and span > 0 else 0.0
-
-    @classmethod
-    def of(cls, gen: Generation, pending_computed: int, pending_transplanted: int) -> Turn:
-        prompt = gen.reused + gen.computed + gen.transplanted
-        computed = min(prompt, gen.computed + pending_computed)
-        transplanted = min(prompt - computed, gen.transplanted + pending_transplanted)
-        return cls(prompt, prompt - computed - transplanted, computed, transplanted, gen.generated,
-                   gen.finish_reason, gen.ttft_s, gen.total_s)
+Turn = Cost
+"""What one generation cost (``kvagent.conversation.Cost``), under the name the chat model's ``turns()`` use."""
 
 
 @dataclass(eq=False)
@@ -104,10 +72,7 @@ class SessionEntry(TableEntry):
     eviction: Eviction | None = None
     memory: Memory | None = None
     """The session's memory blocks (``kvagent.memory``; a tail's values live here)."""
-    log: MessageLog = field(default_factory=MessageLog)
-    turns: list[Turn] = field(default_factory=list)
-    pending_computed: int = 0
-    pending_transplanted: int = 0
+    conversation: Conversation = field(default_factory=Conversation)
 
     @property
     def live(self) -> Session:
@@ -121,38 +86,19 @@ class SessionEntry(TableEntry):
         """The session holds no conversation yet: fields and skills still go into the prompt's head."""
         return self.session is None or not any(is_message_segment(s) for s in self.session.segments)
 
+    @property
+    def turns(self) -> list[Cost]:
+        return self.conversation.costs
+
     def field_values(self) -> dict[str, object]:
         return dict(self.values) if self.fresh else {**self.values, **self.live.field_values}
 
-    def static(self) -> list[Segment]:
-        """Segments the adapter adds after the leading system messages: policy, skills, the bound tools, fields."""
+    def plan(self, messages: Sequence[ChatMessage], max_tokens: int, tools: Sequence[Segment] = ()) -> Plan:
+        """The turn answering ``messages`` (the history the client resent): the chat model's policy and skills, the
+        call's ``tools`` and the declared fields after the leading system messages (``Conversation.plan``)."""
         fields = [spec.segment(self.values.get(spec.name, spec.initial)) for spec in self.specs]
-        return [*(self.prologue or []), *self.skills, *self.log.tools, *fields]
-
-    def plan(self, messages: Sequence[ChatMessage], max_tokens: int,
-             tools: Sequence[Segment] = ()) -> tuple[list[Segment], int]:
-        """The prompt for ``messages`` (the history the client resent) with the call's ``tools`` segments after the
-        chat model's own (a changed tool set rebuilds the prompt from there), and the reply budget that fits the
-        context (``Session.fit``: refused before anything changes when no reply fits)."""
-        self.log.bind_tools(tools)  # a changed tool set: the static part changes, no fast path over the old prompt
-        segments = self.log.plan(self.live.segments, messages, self.static())
-        if self.memory is not None and self.memory.position == "tail":  # after the trajectory, wherever it was
-            segments = [*(s for s in segments if not self.memory.is_memory(s)), *self.memory.segments()]
-        return segments, self.live.fit(segments, max_tokens).max_tokens
-
-    def commit(self, messages: Sequence[ChatMessage], gen: Generation) -> Turn:
-        """The generation's reply joins the history (a tool-call turn as its calls, as the client resends it);
-        returns the turn's cost."""
-        self.log.record(messages, gen)
-        turn = Turn.of(gen, self.pending_computed, self.pending_transplanted)
-        self.pending_computed = self.pending_transplanted = 0
-        self.turns.append(turn)
-        return turn
-
-    def charge(self, computed: int, transplanted: int = 0) -> None:
-        """Tokens an edit or include decoded (or transplanted) for the next turn."""
-        self.pending_computed += computed
-        self.pending_transplanted += transplanted
+        return self.conversation.plan(self.live, messages, max_tokens, static=[*(self.prologue or []), *self.skills],
+                                      tools=tools, fields=fields, memory=self.memory)
 
     def forget(self) -> Session | None:
         """Keep what rebuilds the prompt, drop what describes the cache; returns the session to close."""
@@ -160,8 +106,7 @@ class SessionEntry(TableEntry):
         if session is not None and not self.fresh:
             self.values.update({k: v for k, v in session.field_values.items() if k in self.values})
         self.session = None
-        self.log = MessageLog()
-        self.pending_computed = self.pending_transplanted = 0
+        self.conversation.forget()
         return session
 
 
@@ -183,6 +128,7 @@ class EngineSlot:
         self.key = key
         self.engine: Engine | None = None
         self._table: SessionTable[SessionEntry] | None = None
+        self._toolsets: ToolSets | None = None
         self._load_lock = threading.Lock()
 
     @property
@@ -196,6 +142,7 @@ class EngineSlot:
                 if self.engine is None:
                     engine = self.key.load()
                     self._table = SessionTable(engine, strategy=OrphansFirst(), parking=ForgetParking(), spare=1)
+                    self._toolsets = ToolSets(engine)
                     self.engine = engine
                     log.info("loaded %s for the LangChain adapter (%s)", engine.model.name, self.key)
         return self.engine
@@ -206,6 +153,13 @@ class EngineSlot:
         self.load()
         assert self._table is not None  # set with the engine
         return self._table
+
+    @property
+    def toolsets(self) -> ToolSets:
+        """The tool sets chat models bound on the engine and their compiled segments, by content (loading it)."""
+        self.load()
+        assert self._toolsets is not None  # set with the engine
+        return self._toolsets
 
     # -- entries -----------------------------------------------------------------------------------
     def find(self, owner: str, key: str) -> SessionEntry | None:
@@ -223,7 +177,7 @@ class EngineSlot:
         except NoRoom:  # every other session is working: the last sequences go to this one (no scratch left)
             pass
         entry.session = engine.session([], fields=entry.specs, edit_strategy=edit_strategy, eviction=entry.eviction)
-        entry.log = MessageLog()
+        entry.conversation.forget()
         return entry.session
 
     def close_entry(self, owner: str, key: str) -> bool:
@@ -249,7 +203,7 @@ class EngineSlot:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-            self.engine, self._table = None, None
+            self.engine, self._table, self._toolsets = None, None, None
 
 
 _slots: dict[EngineKey, EngineSlot] = {}

@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: OpenAI's chat API over kvagent sessions.
 
-A request's messages become the session's prompt through ``kvagent.messages`` (the mapping every adapter
-shares): a client that resends its history has only its new messages appended, so the cached prefix,
-errata and skills stay where they are. Everything is checked before the session changes: the model name,
+A request is read in OpenAI's shape (``kvagent.openai_shape``) and its turn runs on the entry's
+``kvagent.conversation.Conversation`` (the turn every adapter shares): a client that resends its history has only
+its new messages appended, so the cached prefix, errata and skills stay where they are, and a prompt changed inside
+is edited in place. Everything is checked before the session changes: the model name,
 what the server cannot honour, the tools, tool choice and reply format (``kvagent_server.tools``), and whether
 the prompt fits (413). A client that goes away cancels its generation at the next token, and the turn is rolled
 back.
@@ -30,11 +31,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from kvagent import openai_shape as shape
 from kvagent.aio import AsyncGenerationStream
+from kvagent.conversation import Cost, Plan
 from kvagent.errors import KVAgentError
 from kvagent.generation import Generation
-from kvagent.messages import ChatMessage, is_message_segment
-from kvagent.segments import Segment
+from kvagent.messages import ChatMessage
+from kvagent.openai_shape import StreamedCalls, reply_message
 
 from kvagent_server.errors import InvalidRequest, NotFound, ServerError
 from kvagent_server.schemas import SESSION_ID, ChatRequest
@@ -42,7 +45,7 @@ from kvagent_server.sessions import SESSION, Entry
 from kvagent_server.sessions_api import check_chars
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import Tenant
-from kvagent_server.tools import NO_TOOLS, StreamedCalls, TurnTools, chat_messages, reply_message, turn_tools
+from kvagent_server.tools import NO_TOOLS, TurnTools, chat_messages, turn_tools
 
 
 log = logging.getLogger(__name__)
@@ -51,12 +54,9 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool
 
 @dataclass(frozen=True)
 class Turn:
-    """One checked request: the prompt's segments, its length, the reply budget, sampling and tools."""
+    """One checked request: its planned prompt (``kvagent.conversation.Plan``), sampling and tools."""
 
-    messages: list[ChatMessage]
-    segments: list[Segment]
-    prompt_tokens: int
-    max_tokens: int
+    plan: Plan
     sampling: dict[str, Any]
     tools: TurnTools = NO_TOOLS
     report_edits: bool = False  # the request asked for the extension field ``usage.kvagent_edits``
@@ -65,6 +65,9 @@ class Turn:
     def options(self) -> dict[str, Any]:
         """What the decoder takes: sampling, and the tools' options."""
         return {**self.sampling, **self.tools.options}
+
+    def usage(self, gen: Generation, cost: Cost) -> dict[str, Any]:
+        return shape.usage(cost, gen.edits if self.report_edits else None)
 
 
 def session_key(body: ChatRequest, request: Request) -> tuple[str, str | None]:
@@ -121,44 +124,21 @@ def check_request(state: ServerState, body: ChatRequest) -> list[ChatMessage]:
 
 
 def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: ChatRequest,
-        tools: TurnTools = NO_TOOLS) -> tuple[Turn, int]:
-    """The checked turn and the KV cells it may add; 413 when the prompt leaves no room for a reply."""
+        tools: TurnTools = NO_TOOLS) -> Turn:
+    """The checked turn, planned on the entry's conversation (``ContextOverflowError``: 413 when the prompt leaves
+    no room for a reply)."""
     session = entry.session
     if session is None:  # pragma: no cover - the request holds an active entry
         raise KVAgentError("chat request on a parked session (internal error)")
-    current = list(session.segments)
-    described = {s.id for s in (*entry.log.tools, *tools.segments)}
-    entry.log.bind_tools(tools.segments)
-    if not any(is_message_segment(s) for s in current):
-        # a session with no message yet takes the tools after its own segments, so its errata stay
-        current = [*(s for s in current if s.id not in described), *entry.log.tools]
-    # MessageLog.plan: a session holding only the server's own segments (policy, fields, errata, skills, tools)
-    # and no message yet gets the messages appended after them, errata included, instead of a rebuild
-    segments = entry.log.plan(current, messages, [*entry.static, *entry.log.tools])
     wanted = body.max_completion_tokens or body.max_tokens or state.config.default_max_tokens
-    room = session.fit(segments, wanted)  # ContextOverflowError -> 413, SegmentOrderError -> 422
+    plan = entry.conversation.plan(session, messages, wanted, static=entry.static, tools=tools.segments)
     sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                 "stop": body.stops()}
-    return Turn(messages, segments, room.prompt_tokens, room.max_tokens, sampling, tools, body.report_edits), room.cells
+    return Turn(plan, sampling, tools, body.report_edits)
 
 
-def usage(gen: Generation, turn: Turn) -> dict[str, Any]:
-    """OpenAI's usage: ``cached_tokens`` are the prompt tokens whose KV was not computed for this call (reused in
-    place, moved by an implicit edit, or transplanted), so computed = changed + repaired + new. With
-    ``report_edits`` the extension ``kvagent_edits`` lists what the resent prompt's changes became."""
-    prompt = gen.reused + gen.computed + gen.transplanted
-    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": gen.generated,
-                           "total_tokens": prompt + gen.generated,
-                           "prompt_tokens_details": {"cached_tokens": gen.reused + gen.transplanted}}
-    if turn.report_edits:
-        out["kvagent_edits"] = [e.as_dict() for e in gen.edits]
-    return out
-
-
-def record(state: ServerState, entry: Entry, turn: Turn, gen: Generation, call_ids: list[str] | None = None) -> None:
-    """The turn is in the session: log its messages and reply (a tool-call turn as its calls, with the ids the
-    client was given: ``call_ids`` for a stream), count it."""
-    entry.log.record(turn.messages, gen, call_ids or ())
+def count(state: ServerState, entry: Entry, gen: Generation) -> None:
+    """The turn is in the session (its conversation logged it): count it."""
     state.metrics.count_generation(gen.reused, gen.computed, gen.transplanted, gen.generated, gen.ttft_s)
     for edit in gen.edits:
         state.metrics.implicit_edits.labels(edit.kind).inc()
@@ -177,9 +157,9 @@ async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, reques
     entry = await stack.enter_async_context(state.sessions.use(tenant, key, kind, implicit=kind != SESSION))
     try:
         # rendering tokenizes the whole prompt: off the event loop
-        turn, cells = await asyncio.to_thread(fit, state, entry, messages, body, tools)
+        turn = await asyncio.to_thread(fit, state, entry, messages, body, tools)
         if body.stream:
-            await state.sessions.make_room(entry, cells)
+            await state.sessions.make_room(entry, turn.plan.cells)
     except BaseException:
         await stack.aclose()
         raise
@@ -188,21 +168,24 @@ async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, reques
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _TurnStream(state, entry, turn, stack, ident, include_usage)
     async with stack:
-        gen = await state.sessions.with_room(entry, cells, lambda: _generate_unless_gone(state, entry, turn, request))
-        if gen is None:  # the client went away: the generation was cancelled and rolled back
+        done = await state.sessions.with_room(entry, turn.plan.cells,
+                                              lambda: _generate_unless_gone(state, entry, turn, request))
+        if done is None:  # the client went away: the generation was cancelled and rolled back
             return Response(status_code=499)
-        record(state, entry, turn, gen)
+        gen, cost = done
+        count(state, entry, gen)
     return JSONResponse({
         "id": ident, "object": "chat.completion", "created": int(time.time()), "model": state.model_id,
         "system_fingerprint": state.fingerprint,
         "choices": [{"index": 0, "message": reply_message(gen), "logprobs": None,
                      "finish_reason": FINISH.get(gen.finish_reason, gen.finish_reason)}],
-        "usage": usage(gen, turn),
+        "usage": turn.usage(gen, cost),
     })
 
 
-async def _generate_unless_gone(state: ServerState, entry: Entry, turn: Turn, request: Request) -> Generation | None:
-    work = asyncio.ensure_future(entry.asession.arespond(turn.segments, turn.max_tokens, **turn.options))
+async def _generate_unless_gone(state: ServerState, entry: Entry, turn: Turn,
+                                request: Request) -> tuple[Generation, Cost] | None:
+    work = asyncio.ensure_future(entry.conversation.arespond(entry.asession, turn.plan, turn.options))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -243,7 +226,7 @@ class _TurnStream(EventSourceResponse):
         self.created = int(time.time())
         self.stream: AsyncGenerationStream | None = None
         self.calls = StreamedCalls() if turn.tools.calls else None  # the text split into call deltas
-        self.recorded = False
+        self.recorded: Cost | None = None
         super().__init__(self._events(), ping=15)
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, str]:
@@ -264,7 +247,7 @@ class _TurnStream(EventSourceResponse):
         calls = self.calls
         yield self._chunk({"role": "assistant", "content": None if calls is not None else ""})
         try:
-            async with session.astream(turn.max_tokens, segments=turn.segments, **turn.options) as stream:
+            async with self.entry.conversation.astream(session, turn.plan, turn.options) as stream:
                 self.stream = stream
                 async for piece in stream:
                     for delta in (calls.feed(piece) if calls is not None else [{"content": piece}]):
@@ -286,20 +269,23 @@ class _TurnStream(EventSourceResponse):
             raise KVAgentError("the stream ended without a result (internal error)")
         for delta in (calls.finish() if calls is not None else []):
             yield self._chunk(delta)
-        self._record(gen)
+        cost = self._record(gen)
         extra = {"usage": None} if self.include_usage else {}
         finish = FINISH.get(gen.finish_reason, gen.finish_reason)
         if finish == "tool_calls" and calls is not None and len(calls.ids) > len(gen.tool_calls):
             finish = "length"  # the last call was streamed in part: the turn was cut, its complete calls are logged
         yield self._chunk({}, finish, **extra)
         if self.include_usage:
-            yield self._event([], usage=usage(gen, self.turn))
+            yield self._event([], usage=self.turn.usage(gen, cost))
         yield {"data": "[DONE]"}
 
-    def _record(self, gen: Generation) -> None:
-        if not self.recorded:
-            self.recorded = True
-            record(self.state, self.entry, self.turn, gen, self.calls.ids if self.calls is not None else None)
+    def _record(self, gen: Generation) -> Cost:
+        """Log the turn (its calls with the ids the client was given) and count it, once."""
+        if self.recorded is None:
+            self.recorded = self.entry.conversation.commit(self.turn.plan, gen,
+                                                           self.calls.ids if self.calls is not None else ())
+            count(self.state, self.entry, gen)
+        return self.recorded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -314,7 +300,7 @@ class _TurnStream(EventSourceResponse):
                 await stream.aclose()  # returns once a cancelled generation is rolled back
                 if stream.result is not None:
                     self._record(stream.result)  # it finished before the client left: the turn is kept
-                elif not self.recorded:
+                elif self.recorded is None:
                     self.state.metrics.cancelled.inc()
                     log.info("client left: stream for session %r cancelled and rolled back", self.entry.key)
         finally:

@@ -41,7 +41,7 @@ from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
 from kvagent.memory import MemoryBlock
 from kvagent.generation import ReplyTokens
-from kvagent.messages import MessageLog
+from kvagent.conversation import Conversation
 from kvagent.segments import Segment, SegmentKind
 from kvagent.session import Session
 from kvagent.sessions import LRU, NoRoom, SessionTable, TableEntry
@@ -102,9 +102,9 @@ class Entry(TableEntry):
     """Made by ``POST /v1/sessions`` or a restore (never forgotten); else keyed by a chat request."""
     options: SessionOptions = field(default_factory=SessionOptions)
     static: list[Segment] = field(default_factory=list)
-    """Segments the server added (policy, fields, memory, skills): ``MessageLog.plan``'s ``static``."""
-    log: MessageLog = field(default_factory=MessageLog)
-    """The messages the prompt holds, and the last request's tool segments (after ``static``: ``log.tools``)."""
+    """Segments the server added (policy, fields, memory, skills): ``Conversation.plan``'s ``static``."""
+    conversation: Conversation = field(default_factory=Conversation)
+    """The messages the prompt holds, and the last request's tool segments (after ``static``)."""
     replies: ReplyTokens = field(default_factory=ReplyTokens)
     parked: Parked | None = None
     deleted: bool = False
@@ -307,7 +307,7 @@ class SessionManager:
                 # an implicit entry that never came to life leaves no ghost, unless others wait for it (they try
                 # again themselves); an explicit one keeps its segments for the next try
                 if (not entry.explicit and entry.session is None and entry.parked is None
-                        and entry.lock.waiting == 0 and not entry.log.messages):
+                        and entry.lock.waiting == 0 and not entry.conversation.messages):
                     self._forget(entry)
                 raise
             with self._running():

@@ -179,7 +179,7 @@ def view(state: ServerState, entry: Entry) -> dict[str, Any]:
         tokens = entry.parked.n_tokens if entry.parked is not None else 0
     return {
         "id": entry.key, "object": "session", "kind": entry.kind, "parked": entry.parked is not None,
-        "tokens": tokens, "fields": field_values(segments), "messages": len(entry.log.messages),
+        "tokens": tokens, "fields": field_values(segments), "messages": len(entry.conversation.messages),
         # regions of the resent prompts that changed turn after turn (kvagent.edits.implicit): what a client could
         # declare as fields; not kept across a park
         "discovered_fields": entry.session.discovered_fields if entry.session is not None else {},
@@ -206,7 +206,7 @@ async def read(state: ServerState, tenant: Tenant, key: str, kind: str) -> dict[
 def listing(state: ServerState, tenant: Tenant) -> dict[str, Any]:
     return {"object": "list", "data": [
         {"id": e.key, "kind": e.kind, "parked": e.parked is not None, "explicit": e.explicit,
-         "messages": len(e.log.messages)}
+         "messages": len(e.conversation.messages)}
         for e in state.sessions.entries_of(tenant)]}
 
 
@@ -328,9 +328,9 @@ async def save(state: ServerState, tenant: Tenant, key: str, kind: str) -> bytes
             "edit_strategy": opts.edit_strategy,
             "memory_blocks": [dataclasses.asdict(b) for b in opts.memory],
             "static": [segment_to_dict(s) for s in entry.static],
-            "tools": [segment_to_dict(s) for s in entry.log.tools],
+            "tools": [segment_to_dict(s) for s in entry.conversation.tools],
         }
-        snapshot = Snapshot(tuple(session.segments), tuple(entry.log.messages), blob, meta)
+        snapshot = Snapshot(tuple(session.segments), tuple(entry.conversation.messages), blob, meta)
     return sign(await asyncio.to_thread(snapshot.to_bytes), state.secret, tenant.name.encode())
 
 
@@ -430,8 +430,7 @@ async def restore(state: ServerState, tenant: Tenant, key: str, data: bytes) -> 
         else:
             await state.sessions.with_room(entry, n, lambda: session.areplace(segments))
         entry.static = static
-        entry.log.bind_tools(tools)
-        entry.log.commit(snapshot.messages)
+        entry.conversation.restore(snapshot.messages, tools)
         return {**view(state, entry), "verified": trusted}
 
 

@@ -128,6 +128,10 @@ def test_a_resent_history_that_diverges_is_rebuilt() -> None:
     edited = m.invoke([HumanMessage("Goodbye")], session_id="div")  # not a continuation: a new prompt
     assert edited.response_metadata["computed"] > 0
     assert m.session("div").tokens == m.session("div").rendered.tokens
+    # the history the session holds is the last call's messages and its reply, as LangChain messages
+    assert [(type(x).__name__, x.content) for x in m.messages("div")] == [
+        ("HumanMessage", "Goodbye"), ("AIMessage", edited.content)]
+    assert [t.computed for t in m.turns("div")][-1] == edited.response_metadata["computed"]
 
 
 # -- streams -----------------------------------------------------------------------------------------

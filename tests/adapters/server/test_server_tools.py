@@ -241,7 +241,7 @@ def test_tool_sets_are_compiled_once_then_transplanted(core_engine: Any) -> None
                 transplanted.append(metric(text, "kvagent_prompt_tokens_total", kind="transplanted"))
             tenant = tenant_of(app)
             tools = state.tools(tenant)  # the tenant's own cache of tool sets
-            _, segments = await tools.get(TOOLS)
+            _, segments = tools.get(TOOLS)  # a hit
             n_tools = sum(len(state.renderer(tenant).segment_tokens(s)) for s in segments)
             assert (tools.misses, tools.hits) == (1, 2)
             assert transplanted[1] - transplanted[0] >= n_tools - 4 * len(segments)  # all but each one's seam of 4
@@ -261,7 +261,7 @@ def test_a_streamed_call_is_logged_with_its_ids_and_the_loop_extends_the_prompt_
             assert r.status_code == 200, r.text
             calls, usage = sse_calls(r.text)
             entry = entry_of(app, "streamed-loop")
-            assert [c.id for c in entry.log.messages[-1].tool_calls] == [c["id"] for c in calls]
+            assert [c.id for c in entry.conversation.messages[-1].tool_calls] == [c["id"] for c in calls]
             saved = await client.post("/v1/sessions/streamed-loop/save", params={"kind": "user"})
             assert (await client.post("/v1/sessions/restored-loop/restore", content=saved.content,
                                      headers=OCTETS)).status_code == 201

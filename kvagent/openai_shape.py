@@ -1,0 +1,271 @@
+"""OpenAI's chat shapes, once for every adapter: messages with call ids in, replies, usage, streamed call deltas
+and cut-off calls out, reply schemas, and the tool sets a client resends with every call (cached by content).
+
+The server reads requests in this shape; ``ChatKVAgent`` converts LangChain's messages to it
+(``langchain_core.messages.convert_to_openai_messages``) and reads the same deltas as tool-call chunks. Errors
+are :class:`MessageError` with the ``param`` they concern (``messages.3.tool_call_id``), so the server answers a
+422 naming it and the chat model raises with the same words.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from kvagent.errors import ContextOverflowError, KVAgentError
+from kvagent.messages import ChatMessage
+from kvagent.tools import ToolCall, ToolSet
+from kvagent.tools.format import OPEN
+from kvagent.tools.stream import CallDelta, CallSplitter
+
+if TYPE_CHECKING:
+    from kvagent.conversation import Cost
+    from kvagent.engine import Engine
+    from kvagent.generation import Generation
+    from kvagent.kv.sync import ImplicitEdit
+    from kvagent.segments import Segment
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+         "ai": "assistant", "tool": "tool", "function": "tool"}
+MEDIA = {"image", "image_url", "audio", "input_audio", "video", "file", "document"}
+JSON_OBJECT: dict[str, Any] = {"type": "object"}
+CUT = "cut short by max_tokens: raise max_tokens"
+
+
+class MessageError(KVAgentError):
+    """A message or option in OpenAI's shape that kvagent refuses; ``param`` names where (``messages.2.content``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# -- messages in ------------------------------------------------------------------------------------
+def text_of(content: Any, where: str) -> str | None:
+    """A message's text: a string, or text parts joined; None when absent. A media part is refused by name."""
+    if content is None or isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            parts.append(str(part.get("text", "")))
+        elif isinstance(part, Mapping) and part.get("type") in MEDIA:
+            raise MessageError(f"{where} has a {part.get('type')!r} part: kvagent's models read text only; send "
+                               "the text, or describe the media in words", param=where)
+    return "".join(parts)
+
+
+def chat_messages(raw: Sequence[Mapping[str, Any]], *, strict_ids: bool = True) -> list[ChatMessage]:
+    """OpenAI chat messages as kvagent's: an assistant message's tool calls (arguments parsed from their JSON), a
+    tool message named after the call it answers (``tool_call_id``; without one, its ``name``). ``strict_ids``: a
+    result whose ``tool_call_id`` answers no earlier call is refused (else it keeps its own name)."""
+    out: list[ChatMessage] = []
+    called: dict[str, str] = {}  # call id -> tool name, from the assistant messages so far
+    for i, m in enumerate(raw):
+        role = ROLES.get(str(m.get("role")))
+        if role is None:
+            raise MessageError(f"messages.{i}.role {m.get('role')!r}: use system, developer, user, assistant or "
+                               "tool", param=f"messages.{i}.role")
+        raw_calls = m.get("tool_calls") or []
+        if raw_calls and role != "assistant":
+            raise MessageError(f"messages.{i}.tool_calls: only assistant messages make tool calls",
+                               param=f"messages.{i}.tool_calls")
+        text = text_of(m.get("content"), f"messages.{i}.content")
+        if role == "assistant" and raw_calls:
+            calls = tuple(_call(i, j, c) for j, c in enumerate(raw_calls))
+            called.update({c.id: c.name for c in calls})
+            out.append(ChatMessage("assistant", text or "", m.get("name"), tool_calls=calls))
+            continue
+        if text is None:
+            raise MessageError(f"messages.{i}.content: a message needs text content (an assistant message may "
+                               "carry tool_calls instead)", param=f"messages.{i}.content")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            name = m.get("name") or "tool"
+            if call_id is not None and call_id in called:
+                name = called[call_id]
+            elif call_id is not None and strict_ids:
+                raise MessageError(f"messages.{i}.tool_call_id {call_id!r} answers no tool call of an earlier "
+                                   "assistant message: send that message (with its tool_calls) before the result",
+                                   param=f"messages.{i}.tool_call_id")
+            out.append(ChatMessage("tool", text, name, tool_call_id=call_id))
+        else:
+            out.append(ChatMessage(role, text, m.get("name")))  # type: ignore[arg-type]
+    return out
+
+
+def _call(i: int, j: int, call: Mapping[str, Any]) -> ToolCall:
+    fn = call.get("function") or {}
+    where = f"messages.{i}.tool_calls.{j}.function.arguments"
+    arguments = fn.get("arguments") or ""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise MessageError(f"{where}: not JSON ({exc}); send the arguments object as a JSON string",
+                               param=where) from None
+    if not isinstance(arguments, dict):
+        raise MessageError(f"{where}: the arguments must be a JSON object, got {type(arguments).__name__}",
+                           param=where)
+    return ToolCall(str(fn.get("name")), arguments, call.get("id") or f"call_{i}_{j}")
+
+
+def response_schema(fmt: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON schema the reply follows (None: free text) for OpenAI's ``response_format`` (``text``,
+    ``json_object``, ``json_schema``; its ``schema`` absent: any JSON object), checked against what the grammar
+    can express (``ToolSpecError``)."""
+    if fmt is None or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_object":
+        return dict(JSON_OBJECT)
+    if fmt.get("type") != "json_schema":
+        raise MessageError(f"response_format type {fmt.get('type')!r}: use text, json_object or json_schema",
+                           param="response_format.type")
+    inner = fmt.get("json_schema")
+    if not isinstance(inner, Mapping):
+        raise MessageError('response_format.json_schema: a json_schema format needs {"name": ..., "schema": {...}}',
+                           param="response_format.json_schema")
+    schema = inner.get("schema")
+    schema = dict(schema) if isinstance(schema, Mapping) else dict(JSON_OBJECT)
+    from kvagent.tools.grammar import check_schema  # llguidance loads only where it is needed
+
+    check_schema(f"response_format {inner.get('name')!r}", schema)
+    return schema
+
+
+# -- the reply out ----------------------------------------------------------------------------------
+def openai_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json()}}
+
+
+def reply_message(gen: Generation) -> dict[str, Any]:
+    """The turn as ``choices[0].message``: its calls (``content`` null), else its text."""
+    if gen.tool_calls:
+        return {"role": "assistant", "content": None, "tool_calls": [openai_call(c) for c in gen.tool_calls]}
+    return {"role": "assistant", "content": gen.text}
+
+
+def usage(cost: Cost, edits: Sequence[ImplicitEdit] | None = None) -> dict[str, Any]:
+    """OpenAI's usage: ``cached_tokens`` are the prompt tokens whose KV was not computed for this call (reused in
+    place, moved by an implicit edit, or transplanted). ``edits`` (asked for): the extension ``kvagent_edits``,
+    what the resent prompt's changes became."""
+    out: dict[str, Any] = {"prompt_tokens": cost.input_tokens, "completion_tokens": cost.output_tokens,
+                           "total_tokens": cost.input_tokens + cost.output_tokens,
+                           "prompt_tokens_details": {"cached_tokens": cost.cache_read}}
+    if edits is not None:
+        out["kvagent_edits"] = [e.as_dict() for e in edits]
+    return out
+
+
+class StreamedCalls:
+    """A streamed turn's pieces as chat-completion deltas: text as ``content``, calls as ``tool_calls`` items
+    (``index``; the first piece of a call with ``id``, ``type`` and ``function.name``; then argument pieces)."""
+
+    def __init__(self) -> None:
+        self.splitter = CallSplitter()
+
+    @property
+    def ids(self) -> list[str]:
+        """The ids given to the calls so far, in order."""
+        return self.splitter.ids
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        return self._deltas(*self.splitter.feed(piece))
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._deltas(*self.splitter.finish())
+
+    @staticmethod
+    def _deltas(text: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"content": text}] if text else []
+        items: dict[int, dict[str, Any]] = {}  # one item per call and chunk: a head and its first piece merge
+        for d in calls:
+            item = items.setdefault(d.index, {"index": d.index, "function": {"arguments": ""}})
+            if d.id is not None:
+                item.update(id=d.id, type="function")
+                item["function"]["name"] = d.name
+            item["function"]["arguments"] += d.arguments
+        if items:
+            out.append({"tool_calls": list(items.values())})
+        return out
+
+
+def cut_calls(gen: Generation) -> list[dict[str, Any]]:
+    """The calls a turn began that ``max_tokens`` cut short, each as ``{"index", "id", "name", "arguments",
+    "error"}`` (its partial arguments); none when the turn was not cut inside a call, or every call it began was
+    closed. A cut turn whose call cannot be read at all is one entry with the whole text as arguments."""
+    if gen.finish_reason != "length" or not gen.text.lstrip().startswith(OPEN):
+        return []
+    splitter = CallSplitter()
+    deltas = [*splitter.feed(gen.text)[1], *splitter.finish()[1]]
+    begun = {d.index: {"index": d.index, "id": d.id, "name": d.name, "arguments": "", "error": CUT}
+             for d in deltas if d.name is not None}
+    if not begun:
+        return [{"index": 0, "id": None, "name": None, "arguments": gen.text, "error": CUT}]
+    for d in deltas:
+        begun[d.index]["arguments"] += d.arguments
+    return [c for i, c in sorted(begun.items()) if i >= len(gen.tool_calls)]
+
+
+# -- tool sets ----------------------------------------------------------------------------------------
+class ToolSets:
+    """Tool sets and the segments that describe them to the model, by the tools' JSON (a client resends them with
+    every call), least recently used dropped beyond ``limit``. ``scope`` and ``library``: the renderer and skill
+    library of a tenant, so one tenant's hit says nothing of another's tools. Safe from several threads.
+
+    A miss checks the tools (``ToolSet``: names, duplicates, schemas the grammar can express; ``ToolSpecError``
+    names the tool) and compiles their segments as skills on the engine's worker (once per model). A refused set
+    is not kept."""
+
+    def __init__(self, engine: Engine, limit: int = 64, *, scope: str = "", library: Any = None) -> None:
+        self.engine, self.limit, self.scope, self.library = engine, limit, scope, library
+        self._done: OrderedDict[str, tuple[ToolSet, tuple[Segment, ...]]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(tools: Sequence[Mapping[str, Any]]) -> str:
+        return json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
+
+    def get(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ToolSet, tuple[Segment, ...]]:
+        key = self.key(tools)
+        found = self.lookup(key)
+        if found is None:
+            with self._lock:
+                self.misses += 1
+            found = self.put(key, self.build(tools))
+        return found
+
+    def lookup(self, key: str) -> tuple[ToolSet, tuple[Segment, ...]] | None:
+        with self._lock:
+            found = self._done.get(key)
+            if found is not None:
+                self._done.move_to_end(key)
+                self.hits += 1
+            return found
+
+    def put(self, key: str, built: tuple[ToolSet, tuple[Segment, ...]]) -> tuple[ToolSet, tuple[Segment, ...]]:
+        with self._lock:
+            self._done[key] = built
+            while len(self._done) > self.limit:
+                self._done.popitem(last=False)
+        return built
+
+    def build(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ToolSet, tuple[Segment, ...]]:
+        toolset = ToolSet([dict(t) for t in tools])
+        from kvagent.tools.format import tool_segments
+
+        renderer = self.engine.renderer(True, self.scope)
+        n = sum(len(renderer.segment_tokens(s)) for s in tool_segments(toolset))
+        if n >= self.engine.backend.n_ctx:  # checked before anything is compiled
+            raise ContextOverflowError(f"tools: their descriptions are {n} tokens, the context "
+                                       f"{self.engine.backend.n_ctx}: send fewer or shorter tools")
+        return toolset, tuple(self.engine.tool_segments(toolset, library=self.library, scope=self.scope))
+
+
+__all__ = ["MessageError", "StreamedCalls", "ToolSets", "chat_messages", "cut_calls", "openai_call", "reply_message",
+           "response_schema", "text_of", "usage"]
