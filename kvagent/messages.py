@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from kvagent.errors import SegmentOrderError
-from kvagent.segments import Segment, SegmentKind
+from kvagent.segments import Segment, SegmentKind, field_values
 from kvagent.tools.format import ToolCall, render_calls, result_segment
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class MessageLog:
             # a prompt of the adapter's own segments (policy, fields, errata, skills) and no message yet:
             # the messages follow it, errata included
             return [*current, *to_segments(messages, after_start=bool(current))]
-        values = {str(s.name): s.value for s in current if s.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM)}
+        values = field_values(current)
         lead = 0
         while lead < len(messages) and messages[lead].role == "system":
             lead += 1

@@ -341,6 +341,11 @@ class Renderer:
 TOOL_RESULT_OPEN = "<tool_response"  # how kvagent.tools.format writes a tool's result (a user-role turn)
 
 
+def field_values(segments: Sequence[Segment]) -> dict[str, object]:
+    """Each field's current value in a prompt: its declared value, overridden by the latest erratum."""
+    return {str(s.name): s.value for s in segments if s.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM)}
+
+
 def segment_label(seg: Segment) -> str:
     """What a segment is, for per-segment eviction budgets: ``"tool"`` for a tool's result (a user turn opening with
     ``<tool_response``), ``"user"`` / ``"assistant"`` for other turns, else the kind (``"memory"``, ``"policy"``,

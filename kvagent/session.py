@@ -34,7 +34,7 @@ from kvagent.kv.work import Work
 from kvagent.kv.sync import PrefillReport, sync
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
-from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix
+from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix, field_values
 from kvagent.tools.format import OPEN as TOOL_CALL_OPEN
 from kvagent.tools.spec import ToolSet
 
@@ -122,8 +122,7 @@ class Session:
     @property
     def field_values(self) -> dict[str, object]:
         """Current value of every field: the declared value, overridden by the latest erratum."""
-        kinds = (SegmentKind.FIELD, SegmentKind.ERRATUM)
-        return {str(s.name): s.value for s in self._segments if s.kind in kinds}
+        return field_values(self._segments)
 
     @property
     def prompt_format(self) -> str:

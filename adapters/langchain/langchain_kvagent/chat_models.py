@@ -327,19 +327,19 @@ class ChatKVAgent(BaseChatModel):
         """Change declared fields of a session: one ``set_many`` (``edit_strategy``, auto by default) once it
         holds a conversation; before that the values simply render into its first prompt (returns None)."""
         checked = ops.check_fields(self.declared_fields(), changes)
-        return self.conversations.drive(session_id, lambda e: ops.set_fields(e, checked))  # type: ignore
+        return self.conversations.apply(session_id, lambda e: ops.set_fields(e, checked))  # type: ignore
 
     async def aset_fields(self, changes: Mapping[str, object], *, session_id: str | None = None) -> EditReport | None:
         checked = ops.check_fields(self.declared_fields(), changes)  # refused before the lock is awaited
-        return await self.conversations.adrive(session_id, lambda e: ops.set_fields(e, checked))  # type: ignore
+        return await self.conversations.aapply(session_id, lambda e: ops.set_fields(e, checked))  # type: ignore
 
     def edit_memory(self, label: str, op: str, *, session_id: str | None = None, **args: str) -> str:
         """Edit memory block ``label`` of a session (``op``: replace / append / rethink, as the memory tools);
         returns what the block holds now. :class:`MemoryEditError` (nothing changed) for a refused edit."""
-        return self.conversations.drive(session_id, lambda e: ops.edit_memory(e, label, op, args))  # type: ignore
+        return self.conversations.apply(session_id, lambda e: ops.edit_memory(e, label, op, args))  # type: ignore
 
     async def aedit_memory(self, label: str, op: str, *, session_id: str | None = None, **args: str) -> str:
-        return await self.conversations.adrive(session_id, lambda e: ops.edit_memory(e, label, op, args))  # type: ignore
+        return await self.conversations.aapply(session_id, lambda e: ops.edit_memory(e, label, op, args))  # type: ignore
 
     def memory_tools(self, *, session_id: str | None = None) -> list[BaseTool]:
         """``memory_replace``, ``memory_append``, ``memory_rethink`` as LangChain tools editing session
@@ -367,14 +367,14 @@ class ChatKVAgent(BaseChatModel):
         """Place a skill (a name from ``skills``/``skill_dirs``, a YAML path or a spec) in a session: in the
         prompt's head before its first call, else at its end (transplanted when compiled). False if it is
         already there."""
-        return self.conversations.drive(session_id, self._include(skill))  # type: ignore[no-any-return]
+        return self.conversations.apply(session_id, self._include(skill))  # type: ignore[no-any-return]
 
     async def ainclude_skill(self, skill: str | Path | SkillSpec, *, session_id: str | None = None) -> bool:
-        return await self.conversations.adrive(session_id, self._include(skill))  # type: ignore[no-any-return]
+        return await self.conversations.aapply(session_id, self._include(skill))  # type: ignore[no-any-return]
 
     def drop_skill(self, name: str, *, session_id: str | None = None) -> bool:
         """Take an included skill (a recalled memory page) out of a session's prompt; False if it is not there."""
-        return self.conversations.drive(session_id, lambda e: ops.drop(e, name))  # type: ignore[no-any-return]
+        return self.conversations.apply(session_id, lambda e: ops.drop(e, name))  # type: ignore[no-any-return]
 
     def _eviction(self, eviction: Eviction | None) -> Any:
         if eviction is not None:
@@ -385,25 +385,25 @@ class ChatKVAgent(BaseChatModel):
     def set_eviction(self, eviction: Eviction | None, *, session_id: str | None = None) -> None:
         """Give a session another eviction policy (or none): a new session with it takes over the prompt,
         starting from the old one's cached prefix. Refused (nothing changed) when the policy is invalid."""
-        self.conversations.drive(session_id, self._eviction(eviction))
+        self.conversations.apply(session_id, self._eviction(eviction))
 
     async def aset_eviction(self, eviction: Eviction | None, *, session_id: str | None = None) -> None:
-        await self.conversations.adrive(session_id, self._eviction(eviction))
+        await self.conversations.aapply(session_id, self._eviction(eviction))
 
     def save_session(self, path: str | Path, *, session_id: str | None = None) -> int:
         """Write a session (its KV, prompt and history: ``kvagent.sessions.Snapshot``) to ``path``; returns the
         bytes written."""
-        return self.conversations.drive(session_id, lambda e: ops.save(e, Path(path)))  # type: ignore[no-any-return]
+        return self.conversations.apply(session_id, lambda e: ops.save(e, Path(path)))  # type: ignore[no-any-return]
 
     async def asave_session(self, path: str | Path, *, session_id: str | None = None) -> int:
-        return await self.conversations.adrive(session_id, lambda e: ops.save(e, Path(path)))  # type: ignore
+        return await self.conversations.aapply(session_id, lambda e: ops.save(e, Path(path)))  # type: ignore
 
     def load_session(self, path: str | Path, *, session_id: str | None = None) -> None:
         """Restore a session written by :meth:`save_session` (same model; checked before anything changes)."""
-        self.conversations.drive(session_id, lambda e: ops.load(e, Path(path)))
+        self.conversations.apply(session_id, lambda e: ops.load(e, Path(path)))
 
     async def aload_session(self, path: str | Path, *, session_id: str | None = None) -> None:
-        await self.conversations.adrive(session_id, lambda e: ops.load(e, Path(path)))
+        await self.conversations.aapply(session_id, lambda e: ops.load(e, Path(path)))
 
 
 __all__ = ["DEFAULT_SESSION", "ChatKVAgent", "to_chat_messages", "to_langchain", "usage_metadata"]

@@ -151,15 +151,15 @@ class Conversations:
         finally:
             entry.lock.release()
 
-    def drive(self, key: str | None, operation: Callable[[SessionEntry], ops.Operation[Any]]) -> Any:
+    def apply(self, key: str | None, operation: Callable[[SessionEntry], ops.Operation[Any]]) -> Any:
         """Run ``operation(entry)`` on session ``key`` in this thread."""
         with self.entered(key) as entry:
-            return ops.drive(entry, operation(entry), self.model.timeout)
+            return ops.run_steps(entry, operation(entry), self.model.timeout)
 
-    async def adrive(self, key: str | None, operation: Callable[[SessionEntry], ops.Operation[Any]]) -> Any:
-        """:meth:`drive`, awaited."""
+    async def aapply(self, key: str | None, operation: Callable[[SessionEntry], ops.Operation[Any]]) -> Any:
+        """:meth:`apply`, awaited."""
         async with self.aentered(key) as entry:
-            return await ops.adrive(entry, operation(entry), self.model.timeout)
+            return await ops.arun_steps(entry, operation(entry), self.model.timeout)
 
     def deadline(self) -> Deadline:
         return Deadline(self.model.timeout, self.timeout_message())

@@ -3,8 +3,8 @@
 An *operation* is a generator over one locked :class:`~langchain_kvagent.registry.SessionEntry`: it plans, yields
 each step it needs run, and commits what the steps returned. A step is either a unit of session work
 (``kvagent.kv.work``: built from the entry's open session's ``*_work`` verbs, run on that session's queue) or a
-plain callable that blocks (opening a session, compiling a skill, reading a file). :func:`drive` runs the steps in
-the calling thread, :func:`adrive` awaits them (session work on the loop, blocking calls in a thread). A step's
+plain callable that blocks (opening a session, compiling a skill, reading a file). :func:`run_steps` runs the steps in
+the calling thread, :func:`arun_steps` awaits them (session work on the loop, blocking calls in a thread). A step's
 error is thrown back into the operation, so its own handlers roll back.
 """
 
@@ -40,7 +40,7 @@ def _advance(operation: Operation[T], value: Any, error: BaseException | None) -
         return True, done.value
 
 
-def drive(entry: SessionEntry, operation: Operation[T], timeout: float | None = None) -> T:
+def run_steps(entry: SessionEntry, operation: Operation[T], timeout: float | None = None) -> T:
     """Run ``operation``'s steps in this thread (session work on ``entry``'s open session, with ``timeout``)."""
     value: Any = None
     error: BaseException | None = None
@@ -55,8 +55,8 @@ def drive(entry: SessionEntry, operation: Operation[T], timeout: float | None = 
             error = exc
 
 
-async def adrive(entry: SessionEntry, operation: Operation[T], timeout: float | None = None) -> T:
-    """:func:`drive`, awaited: session work on the loop, blocking steps in a thread."""
+async def arun_steps(entry: SessionEntry, operation: Operation[T], timeout: float | None = None) -> T:
+    """:func:`run_steps`, awaited: session work on the loop, blocking steps in a thread."""
     value: Any = None
     error: BaseException | None = None
     while True:

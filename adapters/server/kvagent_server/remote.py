@@ -30,7 +30,7 @@ import httpx
 
 from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedError
 from kvagent.fields import FieldSpec, check_changes
-from kvagent.segments import DEFAULT_ERRATUM_TEMPLATE, Segment, SegmentKind, validate_order
+from kvagent.segments import DEFAULT_ERRATUM_TEMPLATE, Segment, SegmentKind, field_values, validate_order
 from kvagent.skills.spec import SkillSpec
 
 from kvagent_server.tokens import Message, TokenCounter, counter_for
@@ -163,7 +163,7 @@ class RemoteSession:
 
     @property
     def field_values(self) -> dict[str, object]:
-        return {str(s.name): s.value for s in self._segments if s.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM)}
+        return field_values(self._segments)
 
     def messages(self, segments: Sequence[Segment] | None = None) -> list[Message]:
         """The chat messages sent for ``segments`` (default: the prompt as it is): one per segment."""

@@ -42,7 +42,7 @@ from kvagent.fields import FieldSpec
 from kvagent.memory import MemoryBlock
 from kvagent.generation import ReplyTokens
 from kvagent.conversation import Conversation
-from kvagent.segments import Segment, SegmentKind
+from kvagent.segments import Segment
 from kvagent.session import Session
 from kvagent.sessions import LRU, NoRoom, SessionTable, TableEntry
 
@@ -492,9 +492,4 @@ def _close_quietly(session: Session) -> None:
         session.close()
     except KVAgentError as exc:  # the engine is closing
         log.debug("closing a session: %s", exc)
-
-
-def field_values(segments: Sequence[Segment]) -> dict[str, object]:
-    """Each field's current value: its declared value, overridden by the latest erratum."""
-    return {str(s.name): s.value for s in segments if s.kind in (SegmentKind.FIELD, SegmentKind.ERRATUM)}
 

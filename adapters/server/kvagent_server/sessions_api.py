@@ -28,13 +28,13 @@ from kvagent.fields import FieldSpec
 from kvagent.memory import MemoryBlock
 from kvagent.memory.blocks import edited, find
 from kvagent.memory.tools import OPS, describe, memory_tools
-from kvagent.segments import Segment, SegmentKind, segment_from_dict, segment_to_dict
+from kvagent.segments import Segment, SegmentKind, field_values, segment_from_dict, segment_to_dict
 from kvagent.sessions import Snapshot, SnapshotSignatureError, sign, unsign
 from kvagent.sessions.snapshot import signed_payload
 
 from kvagent_server.errors import InvalidRequest, NotFound, TooLarge
 from kvagent_server.schemas import FieldsSet, MemoryEditIn, SessionCreate
-from kvagent_server.sessions import SESSION, Entry, SessionOptions, field_values
+from kvagent_server.sessions import SESSION, Entry, SessionOptions
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import Tenant
 
