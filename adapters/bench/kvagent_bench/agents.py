@@ -14,7 +14,9 @@ request ("Hello", 1 token):
   request's ``prompt_cache_key`` (``f"{trace}-agent"``);
 - ``llama-server`` / ``llama-server reuse``: llama.cpp's own server (``make llama-server``; skipped, saying so,
   when it is not built), one slot, ``-c 8192``, prompt caching on (its default), without and with
-  ``--cache-reuse 256``; GGUF's own chat template (Jinja);
+  ``--cache-reuse 256``; GGUF's own chat template (Jinja), or llama.cpp's built-in one without Jinja for a GGUF
+  that has none (Gemma-3's package): llama-server then refuses ``tools``, so the turn is sent without them (that
+  template would not show them to the model);
 - ``llama-cpp-python``: ``llama_cpp.Llama(model_path, n_ctx=8192).create_chat_completion`` in this process, through
   the backend registry's ``baseline_chat`` (kvagent's one ``llama_cpp`` importer: the comparison chat of
   ``kvagent demo`` and ``kvagent bench tools``); it keeps the longest common token prefix of consecutive prompts,
@@ -32,10 +34,11 @@ turns (1 on).
 
 from __future__ import annotations
 
+
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -67,8 +70,9 @@ def default_json(model: str) -> Path:
 def settings(model: str) -> dict[str, str]:
     """What each arm ran, in words (for the JSON)."""
     common = f"{model}, context {N_CTX} tokens, all cores, max_tokens {MAX_TOKENS}, temperature 0, streamed"
-    server = "llama-server built from kvagent's llama.cpp (make llama-server), 1 slot, -fa auto, prompt cache on " \
-             "(cache_prompt, its default), the GGUF's chat template"
+    server = ("llama-server built from kvagent's llama.cpp (make llama-server), 1 slot, -fa auto, prompt cache on "
+              "(cache_prompt, its default), the GGUF's chat template (where the GGUF has none, llama.cpp's built-in one "
+              "without Jinja, and the turns sent without tools, which llama-server then refuses)")
     return {
         "kvagent": f"kvagent serve --n-ctx {N_CTX} (other settings its defaults), sessions keyed by prompt_cache_key; "
                    f"{common}",
@@ -158,12 +162,17 @@ class LlamaServerArm:
     def __init__(self, model: str, log_dir: Path, cache_reuse: int) -> None:
         from kvagent_bench.server.llama_server import LlamaServer, LlamaServerConfig
 
-        self.server = LlamaServer(LlamaServerConfig(model, n_ctx=N_CTX, cache_reuse=cache_reuse), log_dir)
+        config = LlamaServerConfig(model, n_ctx=N_CTX, cache_reuse=cache_reuse)
+        # a model whose GGUF has no chat template runs on a built-in one, without Jinja: llama-server then refuses a
+        # request with tools (500), and its template would not show them to the model anyway
+        self.tools = "--no-jinja" not in config.args(0)
+        self.server = LlamaServer(config, log_dir)
         self.client = openai_client(self.server.v1)
         self.model = self.server.config.name
 
     def turn(self, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-        return openai_turn(self.client, self.model, key, turn, max_tokens)
+        sent = turn if self.tools else replace(turn, tools=None)
+        return openai_turn(self.client, self.model, key, sent, max_tokens)
 
     def close(self) -> None:
         self.client.close()
