@@ -55,9 +55,12 @@ def run(model: str, traces: Sequence[str], json_path: Path, command: str,
 
     kept = read_results(json_path)
     kept = kept if kept.get("model") == model else {}
+    # a part's command is kept only where the kept file holds that part's data
+    held = {"diff": kept.get("diff_cost"), "crossover": kept.get("crossover"), "fidelity": kept.get("rows")}
+    commands = {**{part: kept["command"] for part in PARTS if kept.get("command")}, **(kept.get("commands") or {})}
     doc: dict[str, Any] = {"model": model, "diff_cost": kept.get("diff_cost"), "crossover": kept.get("crossover"),
-                           "commands": {**{part: kept["command"] for part in PARTS if kept.get("command")},
-                                        **(kept.get("commands") or {}), **{part: command for part in parts}}}
+                           "commands": {**{part: c for part, c in commands.items() if held.get(part)},
+                                        **{part: command for part in parts}}}
     rows: list[dict[str, Any]] = [] if "fidelity" in parts else list(kept.get("rows") or [])
     # three sessions of a ~5k-token trace at once (the trace's, a cold one, a warm one) in the shared KV pool
     with Engine.load(model, n_ctx=3 * N_CTX, n_seq_max=4) as engine:
