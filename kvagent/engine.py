@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -265,7 +265,8 @@ class Engine:
         segments, so how fast a prompt renders says nothing about another scope's prompts."""
         key = (chat, scope)
         if key not in self._renderers:
-            self._renderers[key] = Renderer(self.backend, self._chat_format() if chat else ChatFormat.plain())
+            self._renderers[key] = Renderer(self.backend, self._chat_format() if chat else ChatFormat.plain(),
+                                            tools=self._tool_format() if chat else None)
         return self._renderers[key]
 
     @property
@@ -285,13 +286,14 @@ class Engine:
 
     def tool_segments(self, tools: ToolSet, *, chat: bool = True, library: SkillLibrary | None = None,
                       scope: str = "") -> list[Segment]:
-        """The segments that describe ``tools`` to the model (``kvagent.tools.format``), each compiled as a skill
+        """The segments that describe ``tools`` to the model in its tool format (``kvagent.tools.format``: the chat
+        template's where it has one, else kvagent's own), each compiled as a skill
         for this model once (stored: later sessions and processes transplant them instead of prefilling), into
         ``library`` (default: the engine's) with the renderer of ``scope``."""
-        from kvagent.tools.format import tool_segments
-
-        segments = tool_segments(tools)
         renderer, library = self.renderer(chat, scope), library or self.skills
+        from kvagent.tools.format import format_of
+
+        segments = format_of(renderer).segments(tools)
 
         def work() -> Iterator[None]:
             for segment in segments:
@@ -306,6 +308,22 @@ class Engine:
     def skills(self, library: SkillLibrary) -> None:
         """Use another library (e.g. one over a store in another folder)."""
         self._skills = library
+
+    def _tool_format(self) -> Any:
+        """The tool format the model's chat template writes (``kvagent.tools.template``), or None: kvagent's own."""
+        from kvagent.tools.format import format_of
+        from kvagent.tools.template import tool_format_of
+
+        template = self.backend.chat_template
+        if not template:
+            return None
+        wraps = self._chat_format().user
+        found = tool_format_of(template, wraps.open, wraps.close, self.model.name)
+        if found is None and "tools" in template:
+            log.warning("%s: its chat template mentions tools, but kvagent cannot read a tool format from it: tools, "
+                        "calls and results are written in kvagent's own %s format", self.model.name,
+                        format_of(None).name)
+        return found
 
     def _chat_format(self) -> ChatFormat:
         template = self.backend.chat_template

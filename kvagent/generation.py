@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from kvagent.kv.sync import ImplicitEdit, PrefillReport
 from kvagent.sampling import Sampler
 from kvagent.segments import Rendered, Renderer, Segment, SegmentKind, common_prefix
 from kvagent.textstream import TextAssembler
-from kvagent.tools.format import OPEN, ToolCall, parse_calls, render_calls
+from kvagent.tools.format import ToolCall, format_of
 
 from kvagent.scheduler import Job, Scheduler, on_done
 
@@ -231,23 +231,43 @@ class Decoder:
         host = self.host
         body_ids: tuple[int, ...] | None = None
         reply = self.prefix + text
-        if self.tools is not None and reply.lstrip().startswith(OPEN):  # text or JSON never starts with "<"
+        tool_format = format_of(host.renderer)
+        if self.tools is not None and tool_format.starts_call(reply):  # a text reply never opens a call
             # complete calls only: a call cut by a stop string (or one the closing could not finish) is no call
             closed = self._closing and self.constraint is not None and self.constraint.accepting
-            self.calls = tuple(parse_calls(reply, self.tools,
-                                           complete=(self.finish_reason != "length" or closed) and not self._out.stopped))
+            self.calls = tuple(tool_format.parse_calls(
+                reply, self.tools, complete=(self.finish_reason != "length" or closed) and not self._out.stopped))
             if self.calls and not self._closing:  # a call closed past max_tokens keeps finish_reason length
+                self.finish_reason = "tool_calls"
+        elif self.tools is not None and self.finish_reason != "length" and not self._out.stopped:
+            self.calls = tuple(self._untagged(reply, tool_format))
+            if self.calls:
                 self.finish_reason = "tool_calls"
         if not self._out.stopped:  # a stop string cut the text mid-token: its tokens come from the text
             body_ids = (*self._prefix_ids(), *self.ids)
             host.replies.remember(self.prefix + text, body_ids)
             if self.calls:  # a client resends the calls, not the text: the canonical rendering maps to these tokens
-                host.replies.remember(render_calls(self.calls), body_ids)
+                host.replies.remember(tool_format.render_calls(self.calls), body_ids)
         turn = Segment.assistant(self.prefix + text, token_ids=body_ids)
         yield from host.replace_work([*self._before, turn])
         r = self._report
         return Generation(text, tuple(self.ids), self.finish_reason, r.reused, r.computed, self.ttft,
                           time.perf_counter() - self._start, r.transplanted, self.prefix, self.calls, r.edits)
+
+    def _untagged(self, reply: str, tool_format: Any) -> list[ToolCall]:
+        """The bare-JSON calls of a text reply (``ToolFormat.untagged_calls``) whose arguments the tool's schema
+        accepts (the grammar held the text, not the JSON: a call that would not have passed it stays text)."""
+        from kvagent.tools.format import call_schema, dumps
+        from kvagent.tools.grammar import accepts, json_grammar
+
+        calls = tool_format.untagged_calls(reply, self.tools)
+        backend = self.host.cache.backend
+        for call in calls:
+            spec = self.tools.only([call.name])  # type: ignore[union-attr]
+            if not accepts(backend, json_grammar(call_schema(spec)),
+                           dumps({"name": call.name, "arguments": dict(call.arguments)})):
+                return []
+        return calls
 
     def abort(self) -> None:
         """Roll the call back: the prompt is what it was before it, and the cache holds no token beyond the

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 from kvagent.errors import SegmentOrderError
 from kvagent.segments import Segment, SegmentKind, field_values
-from kvagent.tools.format import ToolCall, render_calls, result_segment
+from kvagent.tools.format import HERMES, ToolCall, ToolFormat
 
 if TYPE_CHECKING:
     from kvagent.generation import Generation
@@ -45,26 +45,35 @@ class ChatMessage:
             raise SegmentOrderError(f"unknown message role {self.role!r}: use one of {', '.join(ROLES)}")
 
 
-def to_segment(message: ChatMessage, *, leading: bool) -> Segment:
-    """The segment of one message; ``leading``: a system message before any other message (the policy)."""
+def to_segment(message: ChatMessage, *, leading: bool, tool_format: ToolFormat = HERMES, opens: bool = True,
+               then_result: bool = False) -> Segment:
+    """The segment of one message; ``leading``: a system message before any other message (the policy); calls and
+    results in ``tool_format``; a tool result ``opens`` its user message unless it follows another result the format
+    joins it to, and is joined to the next where ``then_result``."""
     sid = f"{_PREFIX}{next(_ids)}"
     if message.role == "system":
         return Segment.policy(message.content, id=sid) if leading else Segment.memory(message.content, id=sid)
     if message.role == "user":
         return Segment.user(message.content, id=sid)
     if message.role == "assistant":
-        calls = render_calls(message.tool_calls)
+        calls = tool_format.render_calls(message.tool_calls)
         return Segment.assistant("\n".join(p for p in (message.content, calls) if p), id=sid)
-    return result_segment(message.name or "tool", message.tool_call_id, message.content, id=sid)
+    return tool_format.result_segment(message.name or "tool", message.tool_call_id, message.content, id=sid,
+                                      opens=opens, then_result=then_result)
 
 
-def to_segments(messages: Sequence[ChatMessage], *, after_start: bool = False) -> list[Segment]:
-    """Segments of ``messages``; ``after_start``: other messages precede them (no leading system run)."""
+def to_segments(messages: Sequence[ChatMessage], *, after_start: bool = False,
+                tool_format: ToolFormat = HERMES) -> list[Segment]:
+    """Segments of ``messages``; ``after_start``: other messages precede them (no leading system run). Consecutive
+    tool results share one user message where ``tool_format`` joins them (as the chat template does)."""
     out: list[Segment] = []
     leading = not after_start
-    for m in messages:
+    joins = tool_format.joins_results()
+    for i, m in enumerate(messages):
         leading = leading and m.role == "system"
-        out.append(to_segment(m, leading=leading))
+        follows = joins and m.role == "tool" and i > 0 and messages[i - 1].role == "tool"
+        then = joins and m.role == "tool" and i + 1 < len(messages) and messages[i + 1].role == "tool"
+        out.append(to_segment(m, leading=leading, tool_format=tool_format, opens=not follows, then_result=then))
     return out
 
 
@@ -105,26 +114,28 @@ class MessageLog:
             self.commit([])
             self.tools = list(tools)
 
-    def plan(self, current: Sequence[Segment], messages: Sequence[ChatMessage], static: Sequence[Segment]) -> list[Segment]:
-        """The prompt for ``messages`` given the session's ``current`` segments (call :meth:`commit` or :meth:`record`
-        once the session holds it)."""
+    def plan(self, current: Sequence[Segment], messages: Sequence[ChatMessage], static: Sequence[Segment],
+             tool_format: ToolFormat = HERMES) -> list[Segment]:
+        """The prompt for ``messages`` given the session's ``current`` segments, calls and results written in
+        ``tool_format`` (call :meth:`commit` or :meth:`record` once the session holds it)."""
         messages = list(messages)
         held = self.messages
         if held and messages[: len(held)] == held and any(is_message_segment(s) for s in current):
-            return [*current, *to_segments(messages[len(held):], after_start=True)]
+            return [*current, *to_segments(messages[len(held):], after_start=True, tool_format=tool_format)]
         if not held and current and messages and messages[0].role != "system" and not any(
             is_message_segment(s) for s in current
         ) and {s.id for s in static} <= {s.id for s in current}:
             # a prompt of the adapter's own segments (policy, fields, errata, skills) and no message yet:
             # the messages follow it, errata included
-            return [*current, *to_segments(messages, after_start=bool(current))]
+            return [*current, *to_segments(messages, after_start=bool(current), tool_format=tool_format)]
         values = field_values(current)
         lead = 0
         while lead < len(messages) and messages[lead].role == "system":
             lead += 1
         fixed = [s.with_value(values[str(s.name)]) if s.kind is SegmentKind.FIELD and str(s.name) in values else s
                  for s in static]
-        return [*to_segments(messages[:lead]), *fixed, *to_segments(messages[lead:], after_start=True)]
+        return [*to_segments(messages[:lead]), *fixed,
+                *to_segments(messages[lead:], after_start=True, tool_format=tool_format)]
 
     def commit(self, messages: Sequence[ChatMessage]) -> None:
         self.messages = list(messages)

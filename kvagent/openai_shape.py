@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.messages import ChatMessage
 from kvagent.tools import ToolCall, ToolSet
-from kvagent.tools.format import OPEN
+from kvagent.tools.format import HERMES, ToolFormat, format_of
 from kvagent.tools.stream import CallDelta, CallSplitter
 
 if TYPE_CHECKING:
@@ -165,8 +165,8 @@ class StreamedCalls:
     """A streamed turn's pieces as chat-completion deltas: text as ``content``, calls as ``tool_calls`` items
     (``index``; the first piece of a call with ``id``, ``type`` and ``function.name``; then argument pieces)."""
 
-    def __init__(self) -> None:
-        self.splitter = CallSplitter()
+    def __init__(self, tool_format: ToolFormat = HERMES) -> None:
+        self.splitter = CallSplitter(tool_format)
 
     @property
     def ids(self) -> list[str]:
@@ -176,8 +176,10 @@ class StreamedCalls:
     def feed(self, piece: str) -> list[dict[str, Any]]:
         return self._deltas(*self.splitter.feed(piece))
 
-    def finish(self) -> list[dict[str, Any]]:
-        return self._deltas(*self.splitter.finish())
+    def finish(self, calls: Sequence[ToolCall] = ()) -> list[dict[str, Any]]:
+        """The deltas left at the end of the turn; ``calls``: the calls it made (a reply held back as possibly
+        bare-JSON calls is streamed as those, else as its text)."""
+        return self._deltas(*self.splitter.finish(calls))
 
     @staticmethod
     def _deltas(text: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
@@ -194,13 +196,13 @@ class StreamedCalls:
         return out
 
 
-def cut_calls(gen: Generation) -> list[dict[str, Any]]:
+def cut_calls(gen: Generation, tool_format: ToolFormat = HERMES) -> list[dict[str, Any]]:
     """The calls a turn began that ``max_tokens`` cut short, each as ``{"index", "id", "name", "arguments",
     "error"}`` (its partial arguments); none when the turn was not cut inside a call, or every call it began was
     closed. A cut turn whose call cannot be read at all is one entry with the whole text as arguments."""
-    if gen.finish_reason != "length" or not gen.text.lstrip().startswith(OPEN):
+    if gen.finish_reason != "length" or not tool_format.starts_call(gen.text):
         return []
-    splitter = CallSplitter()
+    splitter = CallSplitter(tool_format)
     deltas = [*splitter.feed(gen.text)[1], *splitter.finish()[1]]
     begun = {d.index: {"index": d.index, "id": d.id, "name": d.name, "arguments": "", "error": CUT}
              for d in deltas if d.name is not None}
@@ -257,10 +259,8 @@ class ToolSets:
 
     def build(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ToolSet, tuple[Segment, ...]]:
         toolset = ToolSet([dict(t) for t in tools])
-        from kvagent.tools.format import tool_segments
-
         renderer = self.engine.renderer(True, self.scope)
-        n = sum(len(renderer.segment_tokens(s)) for s in tool_segments(toolset))
+        n = sum(len(renderer.segment_tokens(s)) for s in format_of(renderer).segments(toolset))
         if n >= self.engine.backend.n_ctx:  # checked before anything is compiled
             raise ContextOverflowError(f"tools: their descriptions are {n} tokens, the context "
                                        f"{self.engine.backend.n_ctx}: send fewer or shorter tools")

@@ -283,9 +283,10 @@ class Renderer:
     The memo is keyed by (role, text, complete): a long static policy is tokenized once per engine.
     """
 
-    def __init__(self, tokenizer: Tokenizer, chat_format: ChatFormat, max_memo: int = 4096) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat_format: ChatFormat, max_memo: int = 4096, tools: Any = None) -> None:
         self._tok = tokenizer
         self.chat_format = chat_format
+        self.tools = tools  # how tools, calls and results are written (kvagent.tools.format.format_of reads it)
         self._memo: dict[tuple[str, str, bool, bool, bool], tuple[int, ...]] = {}
         self._max_memo = max_memo
 

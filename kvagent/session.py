@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
+from kvagent.tools.format import attach as attach_tools, format_of
 from kvagent.chat_format import ChatFormat
 from kvagent.edits import EditReport, EditStrategy, get_strategy
 from kvagent.edits.implicit import CalibratedSplice, field_name
@@ -35,7 +36,6 @@ from kvagent.kv.sync import PrefillReport, sync
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
 from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix, field_values
-from kvagent.tools.format import OPEN as TOOL_CALL_OPEN
 from kvagent.tools.spec import ToolSet
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class Session:
             raise ValueError(f"compact_after must be >= 1 (or None to never compact), got {compact_after}")
         self.cache, self.renderer, self.model_fingerprint = cache, renderer, fingerprint
         self._scheduler, self._skills, self._on_close = scheduler, skills, on_close
-        self._segments: list[Segment] = list(segments)
+        self._segments: list[Segment] = attach_tools(renderer, segments)
         self._rendered: Rendered | None = None
         self._closed = False
         self.replies = ReplyTokens()
@@ -135,7 +135,8 @@ class Session:
         the prompt's tokens, the reply budget that fits (clipped to the context; with eviction, as asked) and the
         KV cells it may add beyond what is cached. Raises :class:`ContextOverflowError` (nothing changed) when
         no reply fits. Reads only: safe beside running work."""
-        rendered = self.renderer.render([*(self.replies.resolve(s) for s in segments), Segment.reply()])
+        rendered = self.renderer.render([*attach_tools(self.renderer, [self.replies.resolve(s) for s in segments]),
+                                         Segment.reply()])
         tokens = rendered.tokens  # SegmentOrderError on a bad order
         closing = self.renderer.closing_length("assistant") + 1
         n_ctx, evictor = self.n_ctx, self.cache.evictor
@@ -198,10 +199,11 @@ class Session:
         """What ``kv.rebase`` decides with for this session: the model's calibration (``recompute_because``), the
         spans a resend may not edit in place (``frozen``: an assistant turn that called tools), the policy's bounds."""
         by_id = {seg.id: seg for seg in self._segments}
+        opener = format_of(self.renderer).call_open.strip()
 
         def frozen(span: Span) -> str | None:
             seg = by_id.get(span.segment_id)
-            if seg is not None and seg.role == "assistant" and TOOL_CALL_OPEN in seg.text:
+            if seg is not None and seg.role == "assistant" and opener in seg.text:
                 return "a change inside an assistant turn that called tools (its calls are the model's own tokens)"
             return None
 
@@ -245,7 +247,7 @@ class Session:
                      bring: Callable[[Rendered], Work[PrefillReport]]) -> Work[PrefillReport]:
         """Make ``segments`` the prompt, the cache brought to it by ``bring`` (a sync, or a rebase)."""
         self._check_open()
-        segments = [self.replies.resolve(s) for s in segments]
+        segments = attach_tools(self.renderer, [self.replies.resolve(s) for s in segments])
         rendered = self.renderer.render(segments)  # validates before anything changes
         report = yield from bring(rendered)
         self._segments, self._rendered = segments, rendered
@@ -383,14 +385,14 @@ class Session:
         replies in the schema, one that must call only calls."""
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         extra = [Segment.user(user)] if user is not None else []
-        base = [self.replies.resolve(s) for s in segments] if segments is not None else None
+        base = attach_tools(self.renderer, [self.replies.resolve(s) for s in segments]) if segments is not None else None
         constraint, called = None, None
         if tools or response_schema is not None:
             from kvagent.tools.choice import ToolChoice, turn_grammar
             from kvagent.tools.grammar import Constraint  # llguidance is loaded only where tools are
 
             choice = ToolChoice.of(tool_choice, tools or ToolSet(), parallel_tool_calls) if tools else None
-            grammar = turn_grammar(tools, choice, response_schema)
+            grammar = turn_grammar(tools, choice, response_schema, format_of(self.renderer), self.cache.backend)
             if grammar is not None:
                 constraint = Constraint(self.cache.backend, grammar)
             if choice is not None and choice.mode != "none":  # with a schema too: auto is a call or the reply

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from kvagent.native import Capture
 
 log = logging.getLogger(__name__)
+_ONE_ROPE = {"llama": "norm", "mistral3": "norm", "qwen2": "neox", "qwen3": "neox", "phi3": "neox"}
+"""Architectures whose every layer rotates its keys alike, by their RoPE mode in llama.cpp's ``llama_model_rope_type``."""
 _native_log = logging.getLogger("kvagent.llama_cpp.native")
 # ggml log levels (ggml.h: 1 debug, 2 info, 3 warn, 4 error, 5 continuation) -> logging levels;
 # INFO is load-time chatter, kept at DEBUG
@@ -293,7 +295,8 @@ class LlamaCppBackend:
     def rope_layout(self) -> RopeLayout | None:
         """How this model's saved keys are re-rotated (``kvagent.kv.rotate``), or None where kvagent does not
         know the architecture's RoPE (transplants then shift with ``seq_add``). Read from the GGUF metadata the
-        way llama.cpp reads it: llama (ggml NORM mode) and gemma3 (NEOX; sliding-window layers every layer but
+        way llama.cpp reads it (``llama_model_rope_type``): llama and mistral3 (ggml NORM mode), qwen2, qwen3 and
+        phi3 (NEOX mode), one RoPE for every layer and no sliding window; gemma3 (NEOX; sliding-window layers every layer but
         each 6th, their own base, 10000 unless the file says otherwise; the full-attention layers' cache is
         saved first)."""
         arch = self.architecture
@@ -315,8 +318,8 @@ class LlamaCppBackend:
             return None  # YaRN and other scalings are not a plain rotation by delta
         scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
         n = self.n_layer
-        if arch == "llama" and self.n_swa == 0:
-            return RopeLayout("norm", head_dim, n_rot, (((base, scale),) * n,))
+        if arch in _ONE_ROPE and self.n_swa == 0:
+            return RopeLayout(_ONE_ROPE[arch], head_dim, n_rot, (((base, scale),) * n,))
         if arch == "gemma3" and self.meta(f"{arch}.attention.sliding_window_pattern") is None:
             pattern = 6
             swa = [i % pattern < pattern - 1 for i in range(n)] if self.n_swa > 0 else [False] * n

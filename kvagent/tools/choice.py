@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from kvagent.errors import ToolChoiceError
 from kvagent.tools import format as fmt
-from kvagent.tools.grammar import json_grammar, json_lark, lark_grammar
+from kvagent.tools.grammar import json_grammar, json_lark, lark_grammar, lark_text
 from kvagent.tools.spec import ToolSet
 
 if TYPE_CHECKING:
+    from kvagent.backends.base import Backend
     from kvagent.messages import ChatMessage
 
 
@@ -52,11 +53,13 @@ class ToolChoice:
         raise ToolChoiceError(f"tool_choice {choice!r}: use auto, none, required, or a bound tool's name")
 
 
-def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_schema: Mapping[str, Any] | None) -> str | None:
+def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_schema: Mapping[str, Any] | None,
+                 tool_format: fmt.ToolFormat = fmt.HERMES, backend: Backend | None = None) -> str | None:
     """The grammar of a turn, or None when it is free text (no tools and no schema). ``tool_choice`` none: text that
     does not open a call (or the reply in the schema). With tools that may be called and a ``response_schema``:
     ``auto`` is a call or a reply following the schema (a JSON value never starts with ``<``), ``required`` or a
-    named tool calls only."""
+    named tool calls only. Calls are written in ``tool_format``; with ``backend``, its special tokens (Qwen's
+    ``<tool_call>``) are tokens of the grammar, as the model writes them."""
     if not tools or choice is None:
         return json_grammar(response_schema) if response_schema is not None else None
     if choice.mode == "none":
@@ -64,8 +67,14 @@ def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_sche
             return json_grammar(response_schema)
         return lark_grammar("start: TEXT\nTEXT: /[^<](.|\\n)*/\n")
     called = tools.only([choice.name]) if choice.mode == "tool" and choice.name else tools
-    call = f"call: {json.dumps(fmt.OPEN)} json {json.dumps(fmt.CLOSE)}\njson: {json_lark(fmt.call_schema(called))}\n"
-    calls = f"calls: call ({json.dumps(fmt.SEPARATOR)} call)*\n" if choice.parallel else "calls: call\n"
+
+    def literal(text: str) -> str:
+        return lark_text(backend, text) if backend is not None else json.dumps(text)
+
+    f = tool_format
+    call = (f"call: {literal(f.call_open)} json {literal(f.call_close)}\n"
+            f"json: {json_lark(fmt.call_schema(called))}\n")
+    calls = f"calls: call ({literal(f.call_separator)} call)*\n" if choice.parallel else "calls: call\n"
     if choice.mode == "auto" and response_schema is not None:
         start = f"start: reply | calls\nreply: {json_lark(response_schema)}\n"
     elif choice.mode == "auto":  # a text answer cannot start with "<" (the call's first character)

@@ -1,38 +1,46 @@
-"""How tools, tool calls and tool results are written in a prompt (the tool format).
+"""How tools, tool calls and tool results are written in a prompt: a model's tool format.
 
-Neither shipped model's chat template has a tool format: SmolLM2-135M-Instruct's ChatML template renders
-roles and text only, and the Gemma-3-270M GGUF carries no template at all (kvagent uses llama.cpp's built-in
-Gemma turns). kvagent's default is the Hermes / Qwen convention, the one ChatML models (SmolLM2's family
-included: SmolLM3 uses it) are trained on: tool descriptions as JSON lines in a system message, a call as
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the assistant's turn, a result as
-``<tool_response name="..." id="...">...</tool_response>`` in the next user-side turn (neither template has a ``tool`` role). The
-calls are decoded under a grammar (``kvagent.tools.grammar``), so the format only has to be readable by the
-model, never guessed back: parsing a call of a constrained turn cannot fail.
+A tool-trained model reads tools, writes calls and reads results in the format its chat template renders them
+(Qwen2.5 / Qwen3 / Hermes: the tools as JSON lines inside ``<tools></tools>`` at the end of the system message, a
+call as ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, results in ``<tool_response>`` inside a
+user turn). :mod:`kvagent.tools.template` reads a :class:`ToolFormat` off the template's own rendering, so the
+prompt is the one the model was trained on. Where the template has no tool format (SmolLM2's ChatML template,
+Gemma-3's built-in turns), kvagent writes its own Hermes-style text, :data:`HERMES`: the tool descriptions as JSON
+lines in system messages of their own, a call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a
+result as ``<tool_response name="..." id="...">...</tool_response>`` in a user turn.
 
-Every tool is its own SKILL segment (after one shared instructions segment): compiled once per model,
-transplanted into any prompt, and a changed tool recompiles only its own segment.
+Every tool is its own SKILL segment: compiled once per model, transplanted into any prompt, and a changed tool
+recompiles only its own segment. A format whose tools continue the system message (``inline``) writes them as
+parts of that message (``Segment.opens``/``closes``): the instructions, one segment per tool, the closing text,
+cut where the tokenizer splits anyway (a tool's segment ends with the newline after its JSON), so the tools'
+tokens are those of a cold render of the whole prompt.
+
+Calls are decoded under a grammar (``kvagent.tools.choice``) that takes the format's special tokens as tokens;
+parsing a call of a constrained turn cannot fail. A model may also write a call as bare JSON
+(``{"name": ..., "arguments": ...}``, as Qwen2.5-Coder does): :meth:`ToolFormat.untagged_calls` reads those the way
+llama.cpp's generic handler does, and only when the whole reply is such a call to a bound tool.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from kvagent.errors import ToolCallError
-from kvagent.segments import Segment
+from kvagent.segments import Segment, SegmentKind
 from kvagent.tools.grammar import ITEM_SEPARATOR, KEY_SEPARATOR
 from kvagent.tools.spec import ToolSet, ToolSpec
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-SEPARATOR = "\n"
-"""Between two calls of one turn (parallel tool calls)."""
 INSTRUCTIONS = (
     "You can call tools. To call one, answer with exactly one line per call: "
     '<tool_call>{"name": "<tool name>", "arguments": {<the arguments as JSON>}}</tool_call>. '
     "Call a tool when the answer needs it; otherwise answer in plain text. The tools are:"
 )
+TOOLS_ID = "tools"
+"""The id of a prompt's tool instructions segment; each tool's is ``tool-<name>``, the closing text's ``tools-end``."""
 
 
 @dataclass(frozen=True)
@@ -66,59 +74,229 @@ def call_schema(tools: ToolSet) -> dict[str, Any]:
     } for t in tools]}
 
 
+def openai_tool(tool: ToolSpec) -> dict[str, Any]:
+    """A tool as chat templates take it (``tools``): OpenAI's ``{"type": "function", "function": {...}}``."""
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": dict(tool.parameters)}}
+
+
 def describe(tool: ToolSpec) -> str:
-    """A tool as the model reads it: one JSON line with its name, description and parameters."""
+    """A tool as kvagent's own format writes it: one JSON line with its name, description and parameters."""
     return dumps({"name": tool.name, "description": tool.description, "parameters": dict(tool.parameters)})
 
 
-def tool_segments(tools: ToolSet) -> list[Segment]:
-    """The instructions and one SKILL segment per tool (system messages; compiled and transplanted as skills)."""
-    if not tools:
-        return []
-    return [Segment.skill("tools", INSTRUCTIONS, id="tools"),
-            *(Segment.skill(f"tool:{t.name}", describe(t), id=f"tool-{t.name}") for t in tools)]
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model's prompt holds tools, calls and results.
 
+    Tools: ``header`` text, then per tool ``tool_open + <its JSON> + tool_close``, then ``footer``; ``inline``: they
+    continue the system message before them (that message is kept open, :meth:`attach`), else ``header`` and each
+    tool are system messages of their own. ``default_system``: the system text the template writes when a prompt
+    has none (an inline block needs a system message to continue). ``wrap_tool``: the tool's JSON is OpenAI's
+    ``{"type": "function", "function": ...}`` (as templates are given tools), else :func:`describe`'s flat object.
+    Calls: ``call_open + {"name": ..., "arguments": ...} + call_close``, several joined by ``call_separator``.
+    Results: a user turn ``result_open + content + result_close`` (``result_attrs``: the open tag names the tool
+    and the call, kvagent's own format); consecutive results share one user message, joined by
+    ``result_separator``. ``untagged``: read a reply that is only a bare-JSON call as that call."""
 
-def render_calls(calls: Sequence[ToolCall]) -> str:
-    """The text of an assistant turn that makes ``calls`` (what the grammar lets the model write)."""
-    return SEPARATOR.join(f"{OPEN}{dumps({'name': c.name, 'arguments': dict(c.arguments)})}{CLOSE}" for c in calls)
+    name: str
+    header: str
+    tool_open: str
+    tool_close: str
+    footer: str
+    call_open: str
+    call_close: str
+    call_separator: str
+    result_open: str
+    result_close: str
+    result_separator: str | None = None
+    inline: bool = False
+    default_system: str = ""
+    wrap_tool: bool = False
+    result_attrs: bool = False
+    untagged: bool = False
 
+    # -- tools ------------------------------------------------------------------------------------
+    def tool_json(self, tool: ToolSpec) -> str:
+        if self.wrap_tool:
+            return json.dumps(openai_tool(tool), ensure_ascii=False)  # as the template's ``tojson`` writes it
+        return describe(tool)
 
-def parse_calls(text: str, tools: ToolSet | None = None, *, complete: bool = True) -> list[ToolCall]:
-    """The calls in an assistant turn's text (none: a text answer); ``complete=False`` (the turn was cut by
-    ``max_tokens``): the last call may be cut short, and is then no call. :class:`ToolCallError` names a call that
-    does not parse or names a tool not in ``tools`` (an unconstrained turn; a constrained one always parses).
-    JSON-aware: an argument may contain the closing tag's text."""
-    calls, decoder, at = [], json.JSONDecoder(), 0
-    while (start := text.find(OPEN, at)) >= 0:
-        begin = start + len(OPEN)
+    def segments(self, tools: ToolSet) -> list[Segment]:
+        """The instructions, one SKILL segment per tool and (inline) the closing text."""
+        if not tools:
+            return []
+        more = {"opens": False, "closes": False} if self.inline else {}
+        out = [replace(Segment.skill("tools", self.header, id=TOOLS_ID), **more),
+               *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_open}{self.tool_json(t)}{self.tool_close}",
+                                       id=f"tool-{t.name}"), **more) for t in tools)]
+        if self.footer:
+            out.append(replace(Segment.skill("tools-end", self.footer, id="tools-end"),
+                               **({"opens": False} if self.inline else {})))
+        return out
+
+    def attach(self, segments: Sequence[Segment]) -> list[Segment]:
+        """``segments`` with an inline tool block joined to the system message before it: that message left open
+        (it closes after the block), or, where no system message precedes the block, the template's default system
+        text opening it (a POLICY at the front, a MEMORY elsewhere). Idempotent; other prompts are returned as
+        they are."""
+        out = list(segments)
+        at = next((i for i, s in enumerate(out) if s.id == TOOLS_ID and not s.opens), None)
+        if at is None:
+            return out
+        before = out[at - 1] if at else None
+        if before is not None and not before.closes:
+            return out
+        if before is not None and before.role == "system" and before.complete and before.kind is not SegmentKind.SKILL:
+            out[at - 1] = replace(before, closes=False)
+            return out
+        kind = SegmentKind.POLICY if at == 0 else SegmentKind.MEMORY
+        out.insert(at, Segment(kind, self.default_system, id="tools-system", closes=False))
+        return out
+
+    # -- calls ------------------------------------------------------------------------------------
+    def render_calls(self, calls: Sequence[ToolCall]) -> str:
+        """The text of an assistant turn that makes ``calls`` (what the grammar lets the model write)."""
+        return self.call_separator.join(
+            f"{self.call_open}{dumps({'name': c.name, 'arguments': dict(c.arguments)})}{self.call_close}" for c in calls)
+
+    def starts_call(self, text: str) -> bool:
+        """Whether a reply opens with a call (a text reply never does under the turn's grammar)."""
+        return text.lstrip().startswith(self.call_open.strip())
+
+    def parse_calls(self, text: str, tools: ToolSet | None = None, *, complete: bool = True) -> list[ToolCall]:
+        """The calls in an assistant turn's text (none: a text answer); ``complete=False`` (the turn was cut by
+        ``max_tokens``): the last call may be cut short, and is then no call. :class:`ToolCallError` names the format
+        and a call that does not parse or names a tool not in ``tools`` (an unconstrained turn; a constrained one
+        always parses). JSON-aware (an argument may contain the closing tag's text); whitespace around the JSON
+        is read as the model wrote it."""
+        opener, closer = self.call_open.strip(), self.call_close.strip()
+        calls, decoder, at = [], json.JSONDecoder(), 0
+        while (start := text.find(opener, at)) >= 0:
+            begin = _skip_space(text, start + len(opener))
+            try:
+                data, end = decoder.raw_decode(text, begin)
+            except ValueError as exc:
+                if not complete:  # cut short: the turn ended inside the call
+                    break
+                raise ToolCallError(f"a tool call in the {self.name} format does not parse as JSON ({exc}): "
+                                    f"{text[begin:begin + 200]!r}") from None
+            after = _skip_space(text, end)
+            if not text.startswith(closer, after):
+                if not complete and closer.startswith(text[after:]):
+                    break
+                raise ToolCallError(f"a tool call in the {self.name} format is not closed by {closer}: "
+                                    f"{text[start:end + 40]!r}")
+            calls.append(_call_of(data, tools, self.name, text[begin:end]))
+            at = after + len(closer)
+        return calls
+
+    def untagged_calls(self, text: str, tools: ToolSet) -> list[ToolCall]:
+        """The calls of a reply that is nothing but bare JSON calls: one object ``{"name": <a bound tool>,
+        "arguments" (or "parameters"): {...}}`` or a list of them, optionally in a ```json fence. Anything else
+        (prose, JSON with other keys or naming an unbound tool) is no call: an ordinary JSON reply stays text."""
+        if not self.untagged or not tools:
+            return []
+        body = text.strip()
+        fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.S)
+        if fenced:
+            body = fenced.group(1)
+        if not body.startswith(("{", "[")):
+            return []
         try:
-            data, end = decoder.raw_decode(text, begin)
-        except ValueError as exc:
-            if not complete:  # cut short: the turn ended inside the call
-                break
-            raise ToolCallError(f"a tool call does not parse as JSON ({exc}): {text[begin:begin + 200]!r}") from None
-        if not text.startswith(CLOSE, end):
-            if not complete and CLOSE.startswith(text[end:]):
-                break
-            raise ToolCallError(f"a tool call is not closed by {CLOSE}: {text[start:end + 40]!r}")
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(
-                data.get("arguments", {}), dict):
-            raise ToolCallError(f"a tool call needs a name and an arguments object: {text[begin:end][:200]!r}")
-        if tools is not None and data["name"] not in tools:
-            raise ToolCallError(f"the model called {data['name']!r}, which is not bound (bound: "
-                                f"{', '.join(tools.names) or 'none'})")
-        calls.append(ToolCall(data["name"], data.get("arguments", {})))
-        at = end + len(CLOSE)
-    return calls
+            data = json.loads(body)
+        except ValueError:
+            return []
+        items = data if isinstance(data, list) else [data]
+        calls = []
+        for item in items:
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"] in tools
+                    and set(item) <= {"name", "arguments", "parameters"} and len(item) == 2):
+                return []
+            arguments = item.get("arguments", item.get("parameters"))
+            if not isinstance(arguments, dict):
+                return []
+            calls.append(ToolCall(item["name"], arguments))
+        return calls
+
+    # -- results ----------------------------------------------------------------------------------
+    def result_text(self, name: str, call_id: str | None, content: str) -> str:
+        if self.result_attrs:
+            attrs = f' name="{name}"' + (f' id="{call_id}"' if call_id else "")
+            tag = self.result_open.rstrip("\n")
+            return f"{tag[:-1]}{attrs}>{self.result_open[len(tag):]}{content}{self.result_close}"
+        return f"{self.result_open}{content}{self.result_close}"
+
+    def result_segment(self, name: str, call_id: str | None, content: str, *, id: str = "", opens: bool = True,
+                       then_result: bool = False) -> Segment:
+        """A tool's result as the turn after the call (a user turn; ``then_result``: another result follows in the
+        same message, where the format joins them). The content is written as it is."""
+        text = self.result_text(name, call_id, content)
+        joined = then_result and self.result_separator is not None
+        seg = Segment.user(text + (self.result_separator if joined else ""), **({"id": id} if id else {}))
+        return replace(seg, opens=opens, closes=not joined)
+
+    def joins_results(self) -> bool:
+        return self.result_separator is not None
 
 
-def result_segment(name: str, call_id: str | None, content: str, *, id: str = "") -> Segment:
-    """A tool's result as the turn after the call (user role: neither template has a tool role). The content is
-    written as it is (not escaped into JSON: a result's every token is computed in the agent's next turn)."""
-    attrs = f' name="{name}"' + (f' id="{call_id}"' if call_id else "")
-    return Segment.user(f"<tool_response{attrs}>\n{content}\n</tool_response>", **({"id": id} if id else {}))
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
 
 
-__all__ = ["CLOSE", "INSTRUCTIONS", "OPEN", "SEPARATOR", "ToolCall", "call_schema", "describe", "dumps",
-           "parse_calls", "render_calls", "result_segment", "tool_segments"]
+def _call_of(data: Any, tools: ToolSet | None, format_name: str, shown: str) -> ToolCall:
+    arguments = data.get("arguments", data.get("parameters", {})) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(arguments, dict):
+        raise ToolCallError(f"a tool call in the {format_name} format needs a name and an arguments object: "
+                            f"{shown[:200]!r}")
+    if tools is not None and data["name"] not in tools:
+        raise ToolCallError(f"the model called {data['name']!r}, which is not bound (bound: "
+                            f"{', '.join(tools.names) or 'none'})")
+    return ToolCall(data["name"], arguments)
+
+
+HERMES = ToolFormat(
+    "kvagent (Hermes-style)", header=INSTRUCTIONS, tool_open="", tool_close="", footer="",
+    call_open="<tool_call>", call_close="</tool_call>", call_separator="\n",
+    result_open="<tool_response>\n", result_close="\n</tool_response>", result_attrs=True,
+)
+"""kvagent's own format, for templates without one."""
+
+OPEN, CLOSE, SEPARATOR = HERMES.call_open, HERMES.call_close, HERMES.call_separator
+
+
+def format_of(renderer: Any) -> ToolFormat:
+    """The tool format a renderer writes (its chat template's, read by ``kvagent.tools.template``), else :data:`HERMES`."""
+    found = getattr(renderer, "tools", None)
+    return found if isinstance(found, ToolFormat) else HERMES
+
+
+def attach(renderer: Any, segments: Sequence[Segment]) -> list[Segment]:
+    """``segments`` with a tool block that continues the system message joined to it (:meth:`ToolFormat.attach`:
+    idempotent; every prompt a session takes passes here)."""
+    return format_of(renderer).attach(segments)
+
+
+def tool_segments(tools: ToolSet, tool_format: ToolFormat = HERMES) -> list[Segment]:
+    """The segments that describe ``tools`` in ``tool_format`` (:meth:`ToolFormat.segments`)."""
+    return tool_format.segments(tools)
+
+
+def render_calls(calls: Sequence[ToolCall], tool_format: ToolFormat = HERMES) -> str:
+    return tool_format.render_calls(calls)
+
+
+def parse_calls(text: str, tools: ToolSet | None = None, *, complete: bool = True,
+                tool_format: ToolFormat = HERMES) -> list[ToolCall]:
+    return tool_format.parse_calls(text, tools, complete=complete)
+
+
+def result_segment(name: str, call_id: str | None, content: str, *, id: str = "",
+                   tool_format: ToolFormat = HERMES) -> Segment:
+    return tool_format.result_segment(name, call_id, content, id=id)
+
+
+__all__ = ["CLOSE", "HERMES", "INSTRUCTIONS", "OPEN", "SEPARATOR", "ToolCall", "ToolFormat", "attach", "call_schema",
+           "describe", "dumps", "format_of", "openai_tool", "parse_calls", "render_calls", "result_segment", "tool_segments"]

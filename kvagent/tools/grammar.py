@@ -108,13 +108,26 @@ def json_lark(schema: Mapping[str, Any]) -> str:
     return f"%json {json.dumps(_with_options(schema))}"
 
 
+_tables: weakref.WeakKeyDictionary[Any, list[bytes]] = weakref.WeakKeyDictionary()
+
+
+def token_table_of(backend: Backend) -> list[bytes]:
+    """``backend.token_table()``, read once per backend."""
+    with _tokenizers_lock:
+        found = _tables.get(backend)
+        if found is None:
+            found = _tables[backend] = backend.token_table()
+        return found
+
+
 def tokenizer_of(backend: Backend) -> Any:
     """llguidance's tokenizer for ``backend``'s vocabulary (built once per backend: ~0.3 s for 262k tokens)."""
     with _tokenizers_lock:
         found = _tokenizers.get(backend)
         if found is None:
             llg = _llg()
-            table = backend.token_table()
+            table = _tables.get(backend) or backend.token_table()
+            _tables[backend] = table
             eog = [t for t in range(len(table)) if backend.is_eog(t)]
 
             class Vocabulary:  # what llguidance's TokenizerWrapper reads
@@ -130,6 +143,32 @@ def tokenizer_of(backend: Backend) -> Any:
             found = llg.LLTokenizer(llg.TokenizerWrapper(Vocabulary()), eos_token=eog or None)
             _tokenizers[backend] = found
         return found
+
+
+def accepts(backend: Backend, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` accepts ``text`` whole (tokenized by ``backend``; llguidance reads any tokenization)."""
+    matcher = _llg().LLMatcher(tokenizer_of(backend), grammar)
+    tokens = backend.tokenize(text, special=False)
+    return not matcher.is_error() and bool(matcher.consume_tokens(tokens)) and bool(matcher.is_accepting())
+
+
+def lark_text(backend: Backend, text: str) -> str:
+    """``text`` as a Lark expression for ``backend``'s vocabulary: its special tokens (``<tool_call>`` in Qwen's, a
+    single token the model writes) as tokens (``<[id]>``), the rest as string literals."""
+    table = token_table_of(backend)
+    parts, run = [], b""
+    for token in backend.tokenize(text, special=True):
+        piece = table[token]
+        if piece.startswith(b"\xff"):
+            if run:
+                parts.append(json.dumps(run.decode("utf-8")))
+                run = b""
+            parts.append(f"<[{token}]>")
+        else:
+            run += piece
+    if run:
+        parts.append(json.dumps(run.decode("utf-8")))
+    return " ".join(parts) if parts else '""'
 
 
 _closers: weakref.WeakKeyDictionary[Any, np.ndarray] = weakref.WeakKeyDictionary()
@@ -192,4 +231,5 @@ class Constraint:
         return bool(self._matcher.is_accepting())
 
 
-__all__ = ["Constraint", "JSON_OPTIONS", "check_schema", "json_grammar", "json_lark", "lark_grammar", "tokenizer_of"]
+__all__ = ["Constraint", "JSON_OPTIONS", "accepts", "check_schema", "json_grammar", "json_lark", "lark_grammar", "lark_text",
+           "tokenizer_of"]

@@ -2,10 +2,12 @@
 
 Adapters stream a turn that may call tools the way their ecosystem does (OpenAI's ``delta.tool_calls``,
 LangChain's ``tool_call_chunks``). Under the turn's grammar (``kvagent.tools.choice``) a turn is either text
-(it cannot start with ``<``) or calls written ``<tool_call>{"name": "...", "arguments": {...}}</tool_call>``,
-one per line: so the first character decides, and a call's name and arguments can be cut from the text as it
-grows. The arguments' end is found by tracking JSON strings and braces (an argument may contain ``}`` or the
-closing tag's text), so an argument piece is never taken back.
+or calls written in the model's tool format (``call_open{"name": "...", "arguments": {...}}call_close``, joined
+by its separator): so the start decides, and a call's name and arguments can be cut from the text as it grows.
+The arguments' end is found by tracking JSON strings and braces (an argument may contain ``}`` or the closing
+tag's text), so an argument piece is never taken back. A format that reads bare-JSON calls
+(``ToolFormat.untagged``) holds back a reply that starts like JSON until the turn ends: :meth:`CallSplitter.finish`
+is told the calls the turn made, and streams them, or the held text.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from kvagent.tools.format import CLOSE, OPEN, SEPARATOR
+from typing import Sequence
 
-_HEAD = re.compile(re.escape(OPEN) + r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
-_TAIL = "}" + CLOSE  # after the arguments object: the call object's brace, then the tag
+from kvagent.tools.format import HERMES, ToolCall, ToolFormat, dumps
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,11 @@ class CallDelta:
 class CallSplitter:
     """Feed the pieces in order; each :meth:`feed` returns the text and the call deltas now known."""
 
-    def __init__(self) -> None:
-        self.mode: str | None = None  # "text" or "calls", once the first character is known
+    def __init__(self, tool_format: ToolFormat = HERMES) -> None:
+        self.format = tool_format
+        self._head = re.compile(re.escape(tool_format.call_open) + r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+        self._tail = "}" + tool_format.call_close  # after the arguments object: the call object's brace, then the tag
+        self.mode: str | None = None  # "text", "calls" or "held" (maybe bare-JSON calls), once the start is known
         self._buffer = ""  # call mode: text not yet turned into deltas
         self._state = "head"  # head (waiting for a call's head), args (in its arguments), tail (after them)
         self._depth, self._string, self._escape = 0, False, False
@@ -44,19 +48,36 @@ class CallSplitter:
 
     def feed(self, piece: str) -> tuple[str, list[CallDelta]]:
         if self.mode is None:
-            start = piece.lstrip()
-            if not start:
+            start = (self._buffer + piece).lstrip()
+            opener = self.format.call_open.strip()
+            if not start or opener.startswith(start[: len(opener)]) and len(start) < len(opener):
                 self._buffer += piece
                 return "", []
-            self.mode = "calls" if start.startswith("<") else "text"
+            if start.startswith(opener):
+                self.mode = "calls"
+            elif self.format.untagged and start[0] in "{[`":
+                self.mode = "held"
+            else:
+                self.mode = "text"
             piece, self._buffer = self._buffer + piece, ""
         if self.mode == "text":
             return piece, []
+        if self.mode == "held":
+            self._buffer += piece
+            return "", []
         self._buffer += piece
         return "", self._deltas()
 
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        """What is left at the end of the turn (a call cut short keeps the argument pieces it had)."""
+    def finish(self, calls: Sequence[ToolCall] = ()) -> tuple[str, list[CallDelta]]:
+        """What is left at the end of the turn (a call cut short keeps the argument pieces it had); ``calls``: the
+        calls the turn made, which a held reply (bare JSON) is streamed as, else as its text."""
+        if self.mode == "held" and calls:
+            self._buffer = ""
+            out = []
+            for call in calls:
+                self.ids.append(f"call_{uuid.uuid4().hex[:8]}")
+                out.append(CallDelta(len(self.ids) - 1, dumps(dict(call.arguments)), self.ids[-1], call.name))
+            return "", out
         if self.mode != "calls":
             rest, self._buffer = self._buffer, ""
             return rest, []
@@ -66,8 +87,8 @@ class CallSplitter:
         out: list[CallDelta] = []
         while self._buffer:
             if self._state == "head":
-                self._buffer = self._buffer.lstrip(SEPARATOR)
-                head = _HEAD.match(self._buffer)
+                self._buffer = self._buffer.lstrip(self.format.call_separator or " ")
+                head = self._head.match(self._buffer)
                 if head is None:
                     return out  # the head is not complete yet
                 self.ids.append(f"call_{uuid.uuid4().hex[:8]}")
@@ -83,9 +104,9 @@ class CallSplitter:
                     return out
                 self._state = "tail"
             else:
-                if len(self._buffer) < len(_TAIL):
+                if len(self._buffer) < len(self._tail):
                     return out
-                self._buffer, self._state = self._buffer[len(_TAIL):], "head"
+                self._buffer, self._state = self._buffer[len(self._tail):], "head"
         return out
 
     def _scan(self) -> int:

@@ -258,6 +258,7 @@ def test_a_prefix_shared_into_a_skill_span_still_transplants_the_skill(engine: E
             engine.skills = saved
 
 
+@pytest.mark.slow  # 19 s; the fast tier keeps the preemption checks that run in seconds
 def test_a_larger_prefill_chunk_gives_way_to_a_short_request(engine: Engine) -> None:
     """``prefill_chunk_alone``: a long prefill alone on the engine decodes 256-token chunks; a short request that
     arrives meanwhile aborts the chunk in flight (llama.cpp's abort callback), runs, and the prefill goes on. The

@@ -121,6 +121,7 @@ def test_transplant_behind_its_own_sink_is_exact(engine: Engine, compiled: Skill
     assert logit_cosine(ours, reference) >= 0.995  # measured 0.9996 (SmolLM2), 0.9976 (Gemma-3: Q4 noise in its tail)
 
 
+@pytest.mark.slow  # 15 s; the fast tier transplants skills in the other checks of this module
 def test_several_skills_in_any_order_between_segments(engine: Engine, compiled: SkillLibrary) -> None:
     renderer = engine.renderer(True)
     names = ("refund-policy", "lookup-order-tool", "coding-guideline")

@@ -16,7 +16,7 @@ from kvagent.models import fingerprint, resolve_model
 @pytest.mark.parametrize(
     ("name", "match"),
     [
-        ("llama-70b", "unknown model 'llama-70b': use one of gemma3-270m, smollm2-135m"),
+        ("llama-70b", "unknown model 'llama-70b': use one of gemma3-270m, qwen2.5-coder-0.5b, smollm2-135m"),
         ("/nowhere/model.gguf", "does not exist"),
         ("missing.gguf", "does not exist"),
     ],

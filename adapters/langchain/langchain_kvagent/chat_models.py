@@ -236,7 +236,7 @@ class ChatKVAgent(BaseChatModel):
         with self.conversations.entered(call.key) as entry:
             plan = entry.plan(call.messages, call.max_tokens, call.segments)
             gen, cost = entry.conversation.respond(entry.live, plan, call.options, timeout=self.timeout)
-        return chat_result(self.model, gen, cost, call.key)
+        return chat_result(self.model, gen, cost, call.key, plan.tool_format)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -245,19 +245,20 @@ class ChatKVAgent(BaseChatModel):
             plan = entry.plan(call.messages, call.max_tokens, call.segments)
             gen, cost = await entry.conversation.arespond(AsyncSession(entry.live), plan, call.options,
                                                           timeout=self.timeout)
-        return chat_result(self.model, gen, cost, call.key)
+        return chat_result(self.model, gen, cost, call.key, plan.tool_format)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         call = self._parse(messages, stop, kwargs)
-        deadline, chunks = self.conversations.deadline(), Chunks(call.tools is not None)
+        deadline = self.conversations.deadline()
         with self.conversations.entered(call.key) as entry:
             plan = entry.plan(call.messages, call.max_tokens, call.segments)
+            chunks = Chunks(call.tools is not None, plan.tool_format)
             with entry.conversation.stream(entry.live, plan, call.options) as pieces:
                 for piece in pieces:
                     deadline.check()
                     yield from chunks.feed(piece)
-            yield from chunks.finish()
+            yield from chunks.finish(pieces.result)
             gen, cost = entry.conversation.finish(plan, pieces)
         yield last_chunk(self.model, call, gen, cost)
 
@@ -265,15 +266,16 @@ class ChatKVAgent(BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         call = await asyncio.to_thread(self._parse, messages, stop, kwargs)
-        deadline, chunks = self.conversations.deadline(), Chunks(call.tools is not None)
+        deadline = self.conversations.deadline()
         async with self.conversations.aentered(call.key) as entry:
             plan = entry.plan(call.messages, call.max_tokens, call.segments)
+            chunks = Chunks(call.tools is not None, plan.tool_format)
             async with entry.conversation.astream(AsyncSession(entry.live), plan, call.options) as pieces:
                 async for piece in pieces:
                     deadline.check()
                     for chunk in chunks.feed(piece):
                         yield chunk
-            for chunk in chunks.finish():
+            for chunk in chunks.finish(pieces.result):
                 yield chunk
             gen, cost = entry.conversation.finish(plan, pieces)
         yield last_chunk(self.model, call, gen, cost)

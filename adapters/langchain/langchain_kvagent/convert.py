@@ -14,6 +14,7 @@ from kvagent.conversation import Cost
 from kvagent.errors import KVAgentError
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
+from kvagent.tools.format import HERMES, ToolFormat
 from kvagent.openai_shape import ToolSets
 from kvagent.segments import Segment
 from kvagent.tools import ToolCall, ToolSet
@@ -131,11 +132,11 @@ def metadata(model_name: str, gen: Generation, cost: Cost, key: str) -> dict[str
             "ttft_s": round(cost.ttft_s, 6), "edits": [e.as_dict() for e in gen.edits]}
 
 
-def chat_result(model_name: str, gen: Generation, cost: Cost, key: str) -> ChatResult:
+def chat_result(model_name: str, gen: Generation, cost: Cost, key: str, tool_format: ToolFormat = HERMES) -> ChatResult:
     """A generation as LangChain's result: the reply, its usage (``cache_read``: tokens not computed) and metadata.
     A call ``max_tokens`` cut short is an invalid tool call (its partial arguments and why), never text."""
     cut = [{"name": c["name"], "args": c["arguments"], "id": c["id"], "error": c["error"], "type": "invalid_tool_call"}
-           for c in shape.cut_calls(gen)]
+           for c in shape.cut_calls(gen, tool_format)]
     message = AIMessage(content="" if gen.tool_calls or cut else gen.text, usage_metadata=usage_metadata(cost),
                         response_metadata=metadata(model_name, gen, cost, key),
                         tool_calls=[lc_tool_call(c) for c in gen.tool_calls], invalid_tool_calls=cut)
@@ -155,8 +156,8 @@ class Chunks:
     ``tool_call_chunks`` (index, id, name, argument pieces), read from OpenAI's deltas
     (``kvagent.openai_shape.StreamedCalls``)."""
 
-    def __init__(self, tools: bool) -> None:
-        self._calls = shape.StreamedCalls() if tools else None
+    def __init__(self, tools: bool, tool_format: ToolFormat = HERMES) -> None:
+        self._calls = shape.StreamedCalls(tool_format) if tools else None
 
     def feed(self, piece: str) -> Iterator[ChatGenerationChunk]:
         if self._calls is None:
@@ -164,9 +165,10 @@ class Chunks:
             return
         yield from self._chunks(self._calls.feed(piece))
 
-    def finish(self) -> Iterator[ChatGenerationChunk]:
+    def finish(self, gen: Generation | None = None) -> Iterator[ChatGenerationChunk]:
+        """The chunks left at the end of the turn (``gen``: the turn, whose calls a held bare-JSON reply becomes)."""
         if self._calls is not None:
-            yield from self._chunks(self._calls.finish())
+            yield from self._chunks(self._calls.finish(gen.tool_calls if gen is not None else ()))
 
     @staticmethod
     def _chunks(deltas: list[dict[str, Any]]) -> Iterator[ChatGenerationChunk]:

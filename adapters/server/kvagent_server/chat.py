@@ -225,7 +225,7 @@ class _TurnStream(EventSourceResponse):
         self.ident, self.include_usage = ident, include_usage
         self.created = int(time.time())
         self.stream: AsyncGenerationStream | None = None
-        self.calls = StreamedCalls() if turn.tools.calls else None  # the text split into call deltas
+        self.calls = StreamedCalls(turn.plan.tool_format) if turn.tools.calls else None  # the text split into call deltas
         self.recorded: Cost | None = None
         super().__init__(self._events(), ping=15)
 
@@ -267,7 +267,7 @@ class _TurnStream(EventSourceResponse):
         gen = stream.result
         if gen is None:  # pragma: no cover - a stream that ended without error has its result
             raise KVAgentError("the stream ended without a result (internal error)")
-        for delta in (calls.finish() if calls is not None else []):
+        for delta in (calls.finish(gen.tool_calls) if calls is not None else []):
             yield self._chunk(delta)
         cost = self._record(gen)
         extra = {"usage": None} if self.include_usage else {}
