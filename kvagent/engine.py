@@ -27,7 +27,7 @@ from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.work import Work
 from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
 from kvagent.scheduler import Scheduler
-from kvagent.segments import Renderer, Segment
+from kvagent.segments import Renderer, Segment, SegmentKind
 
 if TYPE_CHECKING:
     from kvagent.edits import EditStrategy
@@ -297,7 +297,8 @@ class Engine:
 
         def work() -> Iterator[None]:
             for segment in segments:
-                library.compile_segment(segment, renderer)
+                if segment.kind is SegmentKind.SKILL:  # a format whose tools are prefilled has none
+                    library.compile_segment(segment, renderer)
             return None
             yield  # pragma: no cover - a unit of work that never pauses
 

@@ -323,9 +323,14 @@ class Renderer:
         return self._tok.tokenize(text, special=True) if text else []
 
     def render(self, segments: Sequence[Segment]) -> Rendered:
-        """Token ids and span table of ``segments``; BOS (if the model adds one) opens the first span."""
+        """Token ids and span table of ``segments``; BOS (if the model adds one) opens the first span. A tool block
+        that continues the system message (the renderer's ``tools``, a ``kvagent.tools.format.ToolFormat``) is joined
+        to it first (``ToolFormat.attach``: the span table then holds the template's default system text where the
+        prompt has no system message)."""
         if not segments:
             raise SegmentOrderError("a prompt needs at least one segment")
+        if self.tools is not None:  # a tool block that continues the system message is joined to it (idempotent)
+            segments = self.tools.attach(segments)
         validate_order(segments)
         tokens: list[int] = list(self._tok.bos_ids)
         spans: list[Span] = []

@@ -1,4 +1,4 @@
-"""A small, readable torch transformer for the architectures kvagent ships: the oracle.
+"""A small, readable torch transformer for the architectures kvagent runs (``kvagent.reference.weights``): the oracle.
 
 Loads the very GGUF llama.cpp runs (:mod:`kvagent.reference.weights`), computes in float32, and keeps
 an explicit KV cache ``k, v: [layers, kv_heads, T, head_dim]`` with the position of every cached
@@ -142,15 +142,32 @@ class Output:
 
 
 # -- the model -----------------------------------------------------------------------------------
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T`` (+ ``bias``: ``[out]``, where the architecture has one)."""
+    out = x @ weight.T
+    return out if bias is None else out + bias
+
+
+
 class Block:
     """One transformer layer; weights are float32 torch tensors in ``nn.Linear`` layout."""
 
     def __init__(self, args: ModelArgs, index: int, w: dict[str, np.ndarray]) -> None:
         t = {k: torch.from_numpy(v) for k, v in w.items()}
         self.args, self.index = args, index
-        self.wq, self.wk, self.wv, self.wo = t["attn_q.weight"], t["attn_k.weight"], t["attn_v.weight"], t["attn_output.weight"]
+        if "attn_qkv.weight" in t:  # phi3: one projection, rows q, then k, then v
+            n_q, n_kv = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
+            self.wq, self.wk, self.wv = t["attn_qkv.weight"].split([n_q, n_kv, n_kv])
+        else:
+            self.wq, self.wk, self.wv = t["attn_q.weight"], t["attn_k.weight"], t["attn_v.weight"]
+        self.bq, self.bk, self.bv = t.get("attn_q.bias"), t.get("attn_k.bias"), t.get("attn_v.bias")  # qwen2
+        self.wo = t["attn_output.weight"]
         self.attn_norm, self.ffn_norm = t["attn_norm.weight"], t["ffn_norm.weight"]
-        self.w_gate, self.w_up, self.w_down = t["ffn_gate.weight"], t["ffn_up.weight"], t["ffn_down.weight"]
+        if "ffn_gate.weight" in t:
+            self.w_gate, self.w_up = t["ffn_gate.weight"], t["ffn_up.weight"]
+        else:  # phi3: gate and up in one projection, the gate's half first (llama.cpp's fused SwiGLU)
+            self.w_gate, self.w_up = t["ffn_up.weight"].chunk(2)
+        self.w_down = t["ffn_down.weight"]
         self.q_norm, self.k_norm = t.get("attn_q_norm.weight"), t.get("attn_k_norm.weight")
         self.post_attn_norm, self.post_ffn_norm = t.get("post_attention_norm.weight"), t.get("post_ffw_norm.weight")
         self.window = args.sliding_window if args.is_swa(index) else 0
@@ -161,9 +178,9 @@ class Block:
         a = self.args
         h = rms_norm(x, self.attn_norm, a.norm_eps)
         T = x.shape[0]
-        q = (h @ self.wq.T).view(T, a.n_head, a.head_dim).transpose(0, 1)
-        k = (h @ self.wk.T).view(T, a.n_kv_head, a.head_dim).transpose(0, 1)
-        v = (h @ self.wv.T).view(T, a.n_kv_head, a.head_dim).transpose(0, 1)
+        q = _linear(h, self.wq, self.bq).view(T, a.n_head, a.head_dim).transpose(0, 1)
+        k = _linear(h, self.wk, self.bk).view(T, a.n_kv_head, a.head_dim).transpose(0, 1)
+        v = _linear(h, self.wv, self.bv).view(T, a.n_kv_head, a.head_dim).transpose(0, 1)
         if a.qk_norm:
             q, k = rms_norm(q, self.q_norm, a.norm_eps), rms_norm(k, self.k_norm, a.norm_eps)
         cos, sin = rope_angles(positions, a.head_dim, self.base)

@@ -1,11 +1,16 @@
 """Read a GGUF file into the torch reference model's hyper-parameters and float32 weights.
 
 The same file llama.cpp runs, dequantized with the ``gguf`` package (the reader llama.cpp's own Python
-tools use). Two architectures are supported: ``llama`` (SmolLM2) and ``gemma3`` (sliding-window layers,
-sandwich norms, q/k norms). Weight layout follows ``torch.nn.Linear``: ``[out_features, in_features]``.
+tools use). The architectures: ``llama`` (SmolLM2) and ``gemma3`` (sliding-window layers, sandwich norms, q/k
+norms), checked against llama.cpp on the shipped files; ``qwen2`` (Q/K/V biases, NEOX RoPE), checked on
+Qwen2.5-Coder-0.5B-Instruct; and, read the way llama.cpp's graph builds them but not checked on a real file here,
+``qwen3`` (per-head q/k norms), ``mistral3`` (llama's layout) and ``phi3`` (fused QKV and gate/up projections).
+Weight layout follows ``torch.nn.Linear``: ``[out_features, in_features]``.
 
 Facts of llama.cpp's GGUF conversion this relies on (convert_hf_to_gguf.py, llama-model.cpp):
 - llama: the Q/K projections are permuted so that RoPE rotates *adjacent* pairs (ggml's NORM mode);
+- qwen2, qwen3, phi3: Q/K are not permuted, RoPE rotates halves (NEOX mode), as llama.cpp's
+  ``llama_model_rope_type`` says; mistral3 is llama's NORM mode;
 - gemma3: norm weights already include Gemma's ``1 +`` shift; RoPE rotates halves (NEOX mode); local
   (sliding) layers use RoPE base 10,000, every 6th layer is global and uses the file's base;
   embeddings are scaled by ``sqrt(n_embd)``; attention scale ``1/sqrt(head_dim)``;
@@ -26,7 +31,10 @@ from kvagent.errors import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3", "mistral3", "phi3")
+UNCHECKED_ARCHITECTURES = ("qwen3", "mistral3", "phi3")
+"""Built from llama.cpp's graph for them, never compared with llama.cpp on a real file here (a warning says so)."""
+_ROPE_STYLE = {"llama": "interleaved", "mistral3": "interleaved", "qwen2": "neox", "qwen3": "neox", "phi3": "neox"}
 # quantization types the gguf package's numpy dequantizer handles and we have checked on real files
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -116,9 +124,18 @@ def read_args(reader: object, path: Path) -> ModelArgs:
         bos_id=None if bos is None else int(bos),
         add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
     )
-    if arch == "llama":
-        return ModelArgs(**common, rope_bases=(base,) * n_layer, rope_style="interleaved",
-                         attn_scale=1.0 / math.sqrt(head_dim))  # fmt: skip
+    if arch in _ROPE_STYLE:
+        scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+        n_rot = int(hp("rope.dimension_count", head_dim))
+        if scaling not in ("none", None) or n_rot != head_dim or _field(reader, f"{arch}.attention.sliding_window"):
+            raise UnsupportedModelError(
+                f"{path.name}: {arch} with RoPE scaling {scaling!r}, {n_rot} of {head_dim} dimensions rotated or a "
+                "sliding window is not supported by the torch reference model (the llama.cpp backend runs it)")
+        if arch in UNCHECKED_ARCHITECTURES:
+            log.warning("%s: the torch reference model for %s follows llama.cpp's graph but was not checked against "
+                        "llama.cpp on a real file; run `kvagent reference check --model %s`", path.name, arch, path)
+        return ModelArgs(**common, rope_bases=(base,) * n_layer, rope_style=_ROPE_STYLE[arch],
+                         attn_scale=1.0 / math.sqrt(head_dim), qk_norm=arch == "qwen3")
     # gemma3 (llama-model.cpp): swa pattern 6 -> layers with i % 6 < 5 slide; local RoPE base 10k
     swa = tuple(i % 6 < 5 for i in range(n_layer))
     return ModelArgs(

@@ -97,7 +97,9 @@ class ToolFormat:
     Calls: ``call_open + {"name": ..., "arguments": ...} + call_close``, several joined by ``call_separator``.
     Results: a user turn ``result_open + content + result_close`` (``result_attrs``: the open tag names the tool
     and the call, kvagent's own format); consecutive results share one user message, joined by
-    ``result_separator``. ``untagged``: read a reply that is only a bare-JSON call as that call."""
+    ``result_separator``. ``untagged``: read a reply that is only a bare-JSON call as that call. ``transplant``: the
+    tools are SKILL segments (compiled once, transplanted), else prefilled where they stand (MEMORY segments: the
+    template formats, see :mod:`kvagent.tools.template`)."""
 
     name: str
     header: str
@@ -115,6 +117,7 @@ class ToolFormat:
     wrap_tool: bool = False
     result_attrs: bool = False
     untagged: bool = False
+    transplant: bool = True
 
     # -- tools ------------------------------------------------------------------------------------
     def tool_json(self, tool: ToolSpec) -> str:
@@ -126,13 +129,14 @@ class ToolFormat:
         """The instructions, one SKILL segment per tool and (inline) the closing text."""
         if not tools:
             return []
-        more = {"opens": False, "closes": False} if self.inline else {}
+        more: dict[str, Any] = {"opens": False, "closes": False} if self.inline else {}
+        if not self.transplant:
+            more["kind"] = SegmentKind.MEMORY
         out = [replace(Segment.skill("tools", self.header, id=TOOLS_ID), **more),
                *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_open}{self.tool_json(t)}{self.tool_close}",
                                        id=f"tool-{t.name}"), **more) for t in tools)]
         if self.footer:
-            out.append(replace(Segment.skill("tools-end", self.footer, id="tools-end"),
-                               **({"opens": False} if self.inline else {})))
+            out.append(replace(Segment.skill("tools-end", self.footer, id="tools-end"), **{**more, "closes": True}))
         return out
 
     def attach(self, segments: Sequence[Segment]) -> list[Segment]:

@@ -149,7 +149,9 @@ def accepts(backend: Backend, grammar: str, text: str) -> bool:
     """Whether ``grammar`` accepts ``text`` whole (tokenized by ``backend``; llguidance reads any tokenization)."""
     matcher = _llg().LLMatcher(tokenizer_of(backend), grammar)
     tokens = backend.tokenize(text, special=False)
-    return not matcher.is_error() and bool(matcher.consume_tokens(tokens)) and bool(matcher.is_accepting())
+    if matcher.is_error() or matcher.validate_tokens(tokens) != len(tokens):  # checked first: no parser warning
+        return False
+    return bool(matcher.consume_tokens(tokens)) and bool(matcher.is_accepting())
 
 
 def lark_text(backend: Backend, text: str) -> str:

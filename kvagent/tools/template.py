@@ -8,6 +8,12 @@ none, how a call is written (the text around ``{"name": ..., "arguments": ...}``
 a tool's result is written (the text around it in its user turn, and between two results). A template that puts
 tools elsewhere (in a user message, as Llama-3.1's and Mistral's do), writes them in another shape, or writes calls
 in another grammar yields None, and kvagent's own Hermes-style format is used (a warning names the template).
+
+The tools of a template format are prefilled where they stand, not transplanted: measured on Qwen2.5-Coder-0.5B
+(the held-out agent set's first request per tool, ``tool_choice="auto"``), transplanted tool descriptions left 1 of
+8 requests with a call against 6 of 8 prefilled; re-rotated or shifted by ``seq_add`` alike (0 of 8), the block
+transplanted whole 3 of 8, compiled behind the system message's opening 0 of 8, a quarter recomputed 0 of 8. A
+tool-trained model reads its tools in context.
 """
 
 from __future__ import annotations
@@ -115,7 +121,7 @@ def _read(render: Any, user_open: str, user_close: str) -> ToolFormat | None:
         "the model's chat template", header=header, tool_open="", tool_close=between, footer=footer,
         call_open=call_open, call_close=call_close, call_separator=call_separator, result_open=result_open,
         result_close=result_close, result_separator=result_separator, inline=True, default_system=default_system,
-        wrap_tool=True, untagged=True,
+        wrap_tool=True, untagged=True, transplant=False,
     )
 
 

@@ -73,8 +73,8 @@ def _tiny_gguf(path: Path, arch: str) -> Path:
 
 
 def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path: Path) -> None:
-    with pytest.raises(UnsupportedModelError, match=r"'qwen2'.*supported: llama, gemma3"):
-        load_weights(_tiny_gguf(tmp_path / "q.gguf", "qwen2"))
+    with pytest.raises(UnsupportedModelError, match=r"'bert'.*supported: llama, gemma3, qwen2, qwen3, mistral3, phi3"):
+        load_weights(_tiny_gguf(tmp_path / "q.gguf", "bert"))
 
 
 def test_unsupported_quantization_type_is_named(tmp_path: Path) -> None:

@@ -169,3 +169,49 @@ def test_plan_full_run_meets_the_brief() -> None:
 def test_run_refuses_unknown_tasks(tmp_path) -> None:
     with pytest.raises(ValueError, match="unknown task"):
         tb.run(["smollm2-135m"], tb.Plan.for_run(True), tmp_path / "t.json", "kvagent bench tools", ["speed"])
+
+
+def test_the_agent_set_has_six_requests_per_tool_with_arguments_and_sixteen_without() -> None:
+    from kvagent_bench.agent_tool_cases import REQUESTS as ASKED
+    from kvagent_bench.agent_tool_cases import SMALL_TALK, TOOLS
+
+    tools = ToolSet(TOOLS)
+    assert len(tools) == 8 and len(ASKED) >= 48 and len(SMALL_TALK) >= 16
+    assert {r.tool for r in ASKED} == set(tools.names)
+    assert all(sum(r.tool == n for r in ASKED) == 6 for n in tools.names)
+    assert all(r.arguments and set(r.arguments) <= set(tools[r.tool].parameters["properties"]) for r in ASKED)
+    assert len({r.text for r in [*ASKED, *SMALL_TALK]}) == len(ASKED) + len(SMALL_TALK)
+    assert {r.tool for r in SMALL_TALK} == {None}
+
+
+@pytest.mark.parametrize("arguments, expected, right", [
+    ({"city": " Paris "}, {"city": "paris"}, True),
+    ({"people": 4.0, "time": "19:30"}, {"people": 4}, True),
+    ({"people": "4"}, {"people": 4}, True),
+    ({"people": "four"}, {"people": 4}, False),
+    ({}, {"ticker": "AAPL"}, False),
+    ({"ticker": "AAPL."}, {"ticker": "AAPL"}, False),
+])
+def test_arguments_right(arguments: dict, expected: dict, right: bool) -> None:
+    from kvagent_bench.agent_tool_cases import arguments_right
+
+    assert arguments_right(arguments, expected) is right
+
+
+def test_agent_rows_count_calls_selection_arguments_and_small_talk() -> None:
+    from kvagent_bench.agent_tool_cases import Request, TOOLS
+
+    tools = ToolSet(TOOLS)
+    weather = Request("Play jazz", "play_music", {"query": "jazz"})
+    talk = Request("Hi", None)
+    records = [
+        tb.agent_record("kvagent auto", "returned", weather, [("play_music", {"query": "Jazz"})], tools, "", 0.1),
+        tb.agent_record("kvagent auto", "returned", weather, [("play_music", {"query": "rock"})], tools, "", 0.1),
+        tb.agent_record("kvagent auto", "returned", weather, [("search_recipes", {"query": "jazz"})], tools, "", 0.1),
+        tb.agent_record("kvagent auto", "returned", weather, [], tools, "jazz!", 0.1),
+        tb.agent_record("kvagent auto", "returned", talk, [], tools, "Hello", 0.1),
+        tb.agent_record("kvagent auto", "returned", talk, [("play_music", {"query": 3})], tools, "", 0.1),
+    ]
+    rows = {r["mode"]: (r["successes"], r["n"]) for r in tb.agent_rows("m", records)}
+    assert rows == {"called": (3, 4), "selected": (2, 4), "arguments": (1, 4), "valid": (3, 4),
+                    "no_call_on_small_talk": (1, 2)}

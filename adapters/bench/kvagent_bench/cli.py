@@ -325,8 +325,9 @@ def bench_concurrency(
 def bench_tools(
     model: str = typer.Option(None, help="One model (default: every registry model)."),
     quick: bool = typer.Option(False, help="6 requests, 2 and 4 tools, 1 repetition, 16 decoded tokens."),
-    tasks: str = typer.Option("validity,ttft,decode", help="Tasks to run, comma-separated; the JSON keeps the other "
-                              "tasks' rows."),
+    tasks: str = typer.Option("validity,ttft,decode", help="Tasks to run, comma-separated (validity, ttft, decode, "
+                              "agent: the held-out agent set against llama-cpp-python and llama-server, for a "
+                              "tool-trained model); the JSON keeps the other tasks' rows."),
     reps: int = typer.Option(None, help="TTFT repetitions (default 3; 1 with --quick)."),
     requests: int = typer.Option(None, help="Requests of the held-out set to run (default all 60; 6 with --quick)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/tools.json)."),
@@ -349,6 +350,11 @@ def bench_tools(
     plot_path = json_path.with_suffix(".png")
     tools.plot(rows, plot_path)
     ci = lambda r: f"{r['share']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] ({r['successes']}/{r['n']})"  # noqa: E731
+    if any(r["task"] == "agent" for r in rows):
+        agent_plot = json_path.with_name(json_path.stem + "-agent.png")
+        tools.plot_agent(rows, agent_plot)
+        print_table(f"agent set ({json_path}, {agent_plot})", ("model", "system", "reading", "metric", "share [95% CI]"),
+                    [[r["model"], r["system"], r["reading"], r["mode"], ci(r)] for r in rows if r["task"] == "agent"])
     print_table(f"tool calls ({json_path}, {plot_path})", ("model", "task", "mode", "share [95% CI]", "notes"),
                 [[r["model"], r["task"], r["mode"], ci(r),
                   f"{r['attempted']} turns wrote {'<tool_call>'}" if "attempted" in r else ""]

@@ -16,9 +16,20 @@ Three tasks per model, each in one process so that its ratios compare like with 
   of its own (nothing shared by prefix), the turn under ``tool_choice="required"``; its TTFT counts building the
   grammar. The baseline, in the same process on the same GGUF: ``create_chat_completion(tools=...)``
   (``BaselineChat``), each repetition under another system prompt so that its prefix match reuses nothing; once
-  as it is (llama-cpp-python does not write the tools into these models' prompts: its prompt tokens say so), and
-  once with the same tool descriptions as kvagent's in its system message (the prompt a user has to build for these
-  models to read the tools). Medians of ``reps``.
+  as it is, and, where the GGUF's template does not render tools (SmolLM2, Gemma-3: llama-cpp-python then does not
+  write them into the prompt, its prompt tokens say so), once with the same tool descriptions as kvagent's in its
+  system message (the prompt a user has to build for these models to read the tools). Medians of ``reps``.
+- ``agent`` (for a tool-trained model, e.g. ``--model qwen2.5-coder-0.5b --tasks agent``): the held-out agent set
+  (:mod:`kvagent_bench.agent_tool_cases`: eight tools, six requests each with the arguments they must carry, and
+  sixteen that need no tool), each request a fresh conversation, greedy. kvagent under ``tool_choice="auto"`` and
+  ``"required"`` (tool requests only), both with the tools in the model's own format (``Engine.tool_segments``);
+  llama-cpp-python's ``create_chat_completion(tools=..., tool_choice="auto")`` with the GGUF's template (its
+  documented default for a GGUF that carries one); ``llama-server --jinja`` (Jinja is its default where the GGUF has
+  a template; its own parser turns the model's format into ``tool_calls``) with ``tool_choice="auto"``. Each peer
+  is scored twice: by the calls it returns, and by the calls read from its text as kvagent reads a reply (the
+  model's tags, or a reply that is only a bare-JSON call), so a peer whose parser misses a call the model wrote is
+  not counted out for it. Rows: calls on tool requests, intended tool, arguments right, valid (every call bound
+  and its arguments valid by ``jsonschema``), no call on small talk.
 - ``decode``: the per-token cost of constrained decoding: one session and prompt, 64 generated tokens, greedy,
   free vs a JSON-schema reply vs a required call; ms per token between decode steps (the median step, prefill
   excluded), the time in ``Constraint.masked`` and ``Constraint.consume`` per token apart: what the grammar adds
@@ -50,7 +61,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_JSON = RESULTS_DIR / "tools.json"
-TASKS = ("validity", "ttft", "decode")
+TASKS = ("validity", "ttft", "decode", "agent")
+DEFAULT_TASKS = ("validity", "ttft", "decode")
+AGENT_SYSTEMS = ("kvagent auto", "kvagent required", "llama-cpp-python", "llama-server --jinja")
+AGENT_POLICY = "You are a helpful personal assistant. Use a tool when the request needs one; otherwise just answer."
 MODES = ("grammar", "free", "free_prefixed")
 POLICY = "You are the assistant of a small business app. Help the user with their request, using the tools."
 TTFT_USER = "Please look up INV-1042 and tell me its status."
@@ -243,10 +257,13 @@ def measure_ttft(engine: Engine, model: str, plan: Plan, progress: Callable[[str
     """TTFT rows: kvagent (transplanted tool segments) and the two baselines, per tool count."""
     from kvagent.backends.registry import baseline_chat
 
+    from kvagent.tools.format import HERMES, format_of
+
     baseline = baseline_chat(engine.settings.backend, engine.model.path, n_ctx=plan.n_ctx())
     rows: list[dict[str, Any]] = []
     try:
         renderer = engine.renderer(True)
+        own_format = format_of(renderer) is not HERMES  # llama-cpp-python's template renders the tools as well
         warm = ToolSet(synthetic_tools(1))  # llguidance's tokenizer, the first transplant, the baseline's first call
         _kvagent_turn(engine, "warm-up", engine.tool_segments(warm), warm)
         baseline.reply(baseline_messages("warm-up", warm, TTFT_USER), 1, tools=[t.openai() for t in warm])
@@ -258,13 +275,16 @@ def measure_ttft(engine: Engine, model: str, plan: Plan, progress: Callable[[str
             segments = engine.tool_segments(tools)  # new tools each count past the first ones: compiled here
             compile_s = time.perf_counter() - start
             tool_tokens = sum(len(renderer.segment_tokens(s)) for s in segments)
-            runs: dict[str, list[dict[str, Any]]] = {"kvagent": [], "llama-cpp-python": [],
-                                                     "llama-cpp-python, tools in prompt": []}
+            runs: dict[str, list[dict[str, Any]]] = {"kvagent": [], "llama-cpp-python": []}
+            if not own_format:  # the template does not render tools: the baseline gets them in its system message too
+                runs["llama-cpp-python, tools in prompt"] = []
             for rep in range(plan.reps):
                 progress(f"{model} ttft: {n} tools, rep {rep + 1}/{plan.reps}")
                 system = f"{POLICY} (Agent {n}-{rep}: answers for desk {rep * 7 + n}.)"
                 runs["kvagent"].append(_kvagent_turn(engine, system, segments, tools))
                 for name, bound in (("llama-cpp-python", None), ("llama-cpp-python, tools in prompt", tools)):
+                    if name not in runs:
+                        continue
                     reply = baseline.reply(baseline_messages(f"[{name}] {system}", bound, TTFT_USER), 1, tools=openai)
                     runs[name].append({"ttft_s": reply.ttft_s, "computed": reply.computed,
                                        "prompt_tokens": reply.prompt_tokens, "transplanted": 0})
@@ -286,6 +306,129 @@ def measure_ttft(engine: Engine, model: str, plan: Plan, progress: Callable[[str
     finally:
         baseline.close()
     return rows
+
+
+def _read_calls(text: str, tools: ToolSet, tool_format: Any) -> list[tuple[str, Any]]:
+    """The calls a reply's text holds as kvagent reads one: the model's tags, else a reply that is only bare JSON."""
+    try:
+        tagged = tool_format.parse_calls(text, None, complete=True)
+    except ToolCallError:
+        tagged = []
+    if tagged:
+        return [(c.name, dict(c.arguments)) for c in tagged]
+    from dataclasses import replace as _replace
+
+    return [(c.name, dict(c.arguments)) for c in _replace(tool_format, untagged=True).untagged_calls(text, tools)]
+
+
+def agent_record(system: str, reading: str, request: Any, calls: Sequence[tuple[str, Any]], tools: ToolSet,
+                 text: str, ttft_s: float) -> dict[str, Any]:
+    """One request's outcome for one system and reading (``returned`` or ``read``)."""
+    from kvagent_bench.agent_tool_cases import arguments_right
+
+    first = calls[0] if calls else None
+    valid = bool(calls) and all(n in tools and check_arguments(a, tools[n].parameters) is None for n, a in calls)
+    return {"task": "agent", "system": system, "reading": reading, "request": request.text, "intended": request.tool,
+            "called": first[0] if first else None, "calls": len(calls), "valid": valid,
+            "selected": bool(first) and first[0] == request.tool,
+            "arguments_right": bool(first) and first[0] == request.tool and isinstance(first[1], Mapping)
+            and arguments_right(first[1], request.arguments), "text": text[:300], "ttft_s": ttft_s}
+
+
+def agent_rows(model: str, records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per system and reading: calls on tool requests, intended tool, arguments right, valid calls (shares of the
+    tool requests), and no call on small talk (share of those), each with its 95% Wilson interval."""
+    rows = []
+    for system in AGENT_SYSTEMS:
+        for reading in ("returned", "read"):
+            mine = [r for r in records if r["system"] == system and r["reading"] == reading]
+            if not mine:
+                continue
+            asked = [r for r in mine if r["intended"] is not None]
+            talk = [r for r in mine if r["intended"] is None]
+            extra = {"system": system, "reading": reading}
+            rows += [share_row(model, "agent", "called", sum(r["calls"] > 0 for r in asked), len(asked), **extra),
+                     share_row(model, "agent", "selected", sum(r["selected"] for r in asked), len(asked), **extra),
+                     share_row(model, "agent", "arguments", sum(r["arguments_right"] for r in asked), len(asked),
+                               **extra),
+                     share_row(model, "agent", "valid", sum(r["valid"] for r in asked), len(asked), **extra)]
+            if talk:
+                rows.append(share_row(model, "agent", "no_call_on_small_talk", sum(r["calls"] == 0 for r in talk),
+                                      len(talk), **extra))
+    return rows
+
+
+def measure_agent(engine: Engine, model: str, plan: Plan, progress: Callable[[str], None], log_dir: Path
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The agent task's rows and per-request records (see the module)."""
+    from kvagent.backends.registry import baseline_chat
+    from kvagent.tools.format import format_of
+    from kvagent_bench.agent_tool_cases import REQUESTS as AGENT_REQUESTS
+    from kvagent_bench.agent_tool_cases import SMALL_TALK, TOOLS as AGENT_TOOL_DICTS
+    from kvagent_bench.server.llama_server import LlamaServer, LlamaServerConfig, missing_reason
+
+    tools = ToolSet(AGENT_TOOL_DICTS)
+    tool_format = format_of(engine.renderer(True))
+    cases = [*AGENT_REQUESTS, *SMALL_TALK]
+    records: list[dict[str, Any]] = []
+    base = [Segment.policy(AGENT_POLICY), *engine.tool_segments(tools)]
+    for i, request in enumerate(cases):
+        progress(f"{model} agent: kvagent {i + 1}/{len(cases)}")
+        for choice in ("auto", "required"):
+            if choice == "required" and request.tool is None:
+                continue
+            with engine.session([*base, Segment.user(request.text)], share_prefix=False) as s:
+                gen = s.generate(plan.max_tokens, tools=tools, tool_choice=choice)
+            calls = [(c.name, dict(c.arguments)) for c in gen.tool_calls]
+            records.append(agent_record(f"kvagent {choice}", "returned", request, calls, tools, gen.text, gen.ttft_s))
+    openai = [dict(t) for t in AGENT_TOOL_DICTS]
+    baseline = baseline_chat(engine.settings.backend, engine.model.path, n_ctx=plan.n_ctx())
+    try:
+        for i, request in enumerate(cases):
+            progress(f"{model} agent: llama-cpp-python {i + 1}/{len(cases)}")
+            messages = [{"role": "system", "content": AGENT_POLICY}, {"role": "user", "content": request.text}]
+            reply = baseline.reply(messages, plan.max_tokens, tools=openai, tool_choice="auto")
+            returned = [(c.name, _json_or_text(c.arguments)) for c in reply.tool_calls]
+            records.append(agent_record("llama-cpp-python", "returned", request, returned, tools, reply.text,
+                                        reply.ttft_s))
+            records.append(agent_record("llama-cpp-python", "read", request,
+                                        returned or _read_calls(reply.text, tools, tool_format), tools, reply.text,
+                                        reply.ttft_s))
+    finally:
+        baseline.close()
+    why = missing_reason()
+    if why is None:
+        server = LlamaServer(LlamaServerConfig(model, n_ctx=plan.n_ctx()), log_dir)
+        try:
+            for i, request in enumerate(cases):
+                progress(f"{model} agent: llama-server {i + 1}/{len(cases)}")
+                messages = [{"role": "system", "content": AGENT_POLICY}, {"role": "user", "content": request.text}]
+                start = time.perf_counter()
+                answer = server.post("/v1/chat/completions", {
+                    "messages": messages, "tools": openai, "tool_choice": "auto", "temperature": 0.0,
+                    "max_tokens": plan.max_tokens})
+                wall = time.perf_counter() - start
+                message = answer["choices"][0]["message"]
+                text = message.get("content") or ""
+                returned = [(c["function"]["name"], _json_or_text(c["function"].get("arguments") or "{}"))
+                            for c in message.get("tool_calls") or []]
+                records.append(agent_record("llama-server --jinja", "returned", request, returned, tools, text, wall))
+                records.append(agent_record("llama-server --jinja", "read", request,
+                                            returned or _read_calls(text, tools, tool_format), tools, text, wall))
+        finally:
+            server.close()
+    else:
+        log.warning("agent task: llama-server is not measured (%s)", why)
+    for r in records:
+        r["model"] = model
+    return agent_rows(model, records), records
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 class _Timed:
@@ -364,7 +507,7 @@ def measure_decode(engine: Engine, model: str, plan: Plan, progress: Callable[[s
     return rows
 
 
-def run(models: list[str], plan: Plan, json_path: Path, command: str, tasks: Sequence[str] = TASKS,
+def run(models: list[str], plan: Plan, json_path: Path, command: str, tasks: Sequence[str] = DEFAULT_TASKS,
         progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
     """Measure ``tasks`` on ``models``; write the JSON after each model and task (rows of other tasks and models
     already in ``json_path`` are kept). Returns every row written."""
@@ -390,13 +533,17 @@ def run(models: list[str], plan: Plan, json_path: Path, command: str, tasks: Seq
                 if task == "validity":
                     got, recs = measure_validity(engine, model, plan, progress)
                     records += recs
+                elif task == "agent":
+                    got, recs = measure_agent(engine, model, plan, progress, Path(store))
+                    records += recs
                 elif task == "ttft":
                     got = measure_ttft(engine, model, plan, progress)
                 else:
                     got = measure_decode(engine, model, plan, progress)
                 new += got
                 rows = merge_rows(rows_old, new, tasks, models)
-                kept = [r for r in records_old if "validity" not in tasks or r.get("model") not in models]
+                kept = [r for r in records_old if r.get("model") not in models
+                        or r.get("task", "validity") not in tasks]
                 write_json(json_path, command, rows, plan=asdict(plan), requests=[*kept, *records])
     return rows
 
@@ -470,6 +617,53 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["DEFAULT_JSON", "MODES", "Plan", "Score", "TASKS", "baseline_messages", "check_arguments", "measure_decode",
-           "measure_ttft", "measure_validity", "merge_rows", "per_token_ms", "plot", "run", "score_calls",
+AGENT_METRICS = ("called", "selected", "arguments", "valid", "no_call_on_small_talk")
+
+
+def plot_agent(rows: list[dict[str, Any]], path: Path) -> None:
+    """The agent task: per model, each metric's share per system (solid: the calls a system returns; hatched: the
+    calls read from a peer's text as kvagent reads a reply), with 95% Wilson intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in rows if r["task"] == "agent"]
+    models = sorted({r["model"] for r in mine})
+    fig, axes = plt.subplots(len(models), 1, figsize=(13, 4.2 * len(models)), squeeze=False)
+    colours = dict(zip(AGENT_SYSTEMS, ("tab:green", "tab:olive", "tab:red", "tab:blue")))
+    for ax, m in zip(axes[:, 0], models):
+        x = 0.0
+        ticks, labels = [], []
+        for metric in AGENT_METRICS:
+            start = x
+            for system in AGENT_SYSTEMS:
+                for reading in ("returned", "read"):
+                    r = next((r for r in mine if r["model"] == m and r["mode"] == metric and r["system"] == system
+                              and r["reading"] == reading), None)
+                    if r is None:
+                        continue
+                    ax.bar(x, r["share"], 0.8, color=colours[system], hatch="//" if reading == "read" else None,
+                           yerr=[[max(r["share"] - r["ci_low"], 0.0)], [max(r["ci_high"] - r["share"], 0.0)]],
+                           capsize=2,
+                           label=f"{system} ({reading})" if metric == AGENT_METRICS[0] else None)
+                    ax.text(x, r["ci_high"] + 0.01, f"{r['successes']}/{r['n']}", ha="center", va="bottom",
+                            fontsize=5)
+                    x += 1
+            ticks.append((start + x - 1) / 2)
+            labels.append(metric.replace("_", " "))
+            x += 1
+        ax.set_xticks(ticks, labels, fontsize=8)
+        ax.set_ylim(0, 1.15)
+        ax.set_title(f"{m}: tool calls on the held-out agent set (tool requests; small talk for the last group)",
+                     fontsize=9)
+        ax.legend(fontsize=6, ncol=3, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["AGENT_SYSTEMS", "DEFAULT_JSON", "MODES", "Plan", "Score", "TASKS", "baseline_messages", "check_arguments", "measure_decode",
+           "measure_agent", "measure_ttft", "measure_validity", "merge_rows", "per_token_ms", "plot", "plot_agent", "run", "score_calls",
            "score_text", "share_row"]
