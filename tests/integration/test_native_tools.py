@@ -158,6 +158,7 @@ def test_auto_reads_the_bare_json_call_this_model_writes(qwen: Engine) -> None:
     assert rows == [[("get_weather", {"city": "Paris"})], []]
 
 
+@pytest.mark.full  # 10 s: compiles the tools; the fast tier keeps the format and call checks
 def test_tools_are_prefilled_and_a_transplant_of_them_is_re_rotated(qwen: Engine, tmp_path: Any) -> None:
     """The template format's tools are prefilled where they stand (transplanted, they broke this model's tool choice:
     ``kvagent.tools.template``). Transplanted anyway, as SKILL segments, qwen2 keys are re-rotated by kvagent (NEOX
