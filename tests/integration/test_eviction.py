@@ -767,7 +767,8 @@ def _extend_restored(engine: Engine, blob: bytes, segs: list[Segment], eviction:
 
 
 @pytest.mark.parametrize(("model", "policy", "compact"), [
-    (S, "window", False), (G, "window", False), (S, "hybrid", False), (G, "hybrid", False),
+    (S, "window", False), (G, "window", False), pytest.param(S, "hybrid", False, marks=pytest.mark.full),
+    (G, "hybrid", False),
     pytest.param(S, "h2o", False, marks=pytest.mark.full), pytest.param(S, "selfinfo", False, marks=pytest.mark.full),
     pytest.param(S, "contrast", False, marks=pytest.mark.full),
     # Eviction(compact=True), the default: the blob's cells sit at compacted positions

@@ -91,6 +91,7 @@ def kv_bytes(engine: Engine, session: Session) -> bytes:
     return engine.backend.seq_save(session.seq)
 
 
+@pytest.mark.slow  # 16 s: the 1.7k-token manual; the fast tier transplants behind the sink and after compaction
 def test_include_transplants_and_matches_a_recompute(engine: Engine, compiled: SkillLibrary) -> None:
     spec = SHIPPED["product-manual"]
     with engine.session([POLICY], share_prefix=False) as s:

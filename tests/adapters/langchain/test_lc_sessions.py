@@ -105,6 +105,7 @@ def test_a_system_prompt_changed_by_the_agent_is_edited_not_recomputed() -> None
     assert m.session("dynamic-prompt").discovered_fields == {"Current time": 2}
 
 
+@pytest.mark.slow  # 12-17 s; the fast tier keeps the other concurrent-session checks
 async def test_eight_concurrent_ainvokes_match_a_cold_recompute() -> None:
     # its own engine: 8 sessions, a cold one to compare with, a scratch sequence
     m = ChatKVAgent(model=SETTINGS["model"], n_ctx=2048, n_seq_max=10, max_tokens=12)
