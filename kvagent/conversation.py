@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from kvagent.tools.format import HERMES, attach as attach_tools, format_of
 from kvagent.errors import KVAgentError
 from kvagent.messages import ChatMessage, MessageLog, is_message_segment
 from kvagent.segments import Segment
+from kvagent.tools.format import HERMES, format_of
 
 if TYPE_CHECKING:
     from kvagent.aio import AsyncGenerationStream, AsyncSession
@@ -114,7 +114,6 @@ class Conversation:
         segments = self.log.plan(current, messages, [*static, *self.log.tools, *fields], format_of(session.renderer))
         if memory is not None and memory.position == "tail":  # after the trajectory, wherever it was
             segments = [*(s for s in segments if not memory.is_memory(s)), *memory.segments()]
-        segments = attach_tools(session.renderer, segments)
         room = session.fit(segments, max_tokens)
         return Plan(tuple(messages), tuple(segments), room.prompt_tokens, room.max_tokens, room.cells,
                     format_of(session.renderer))

@@ -290,9 +290,9 @@ class Engine:
         template's where it has one, else kvagent's own), each compiled as a skill
         for this model once (stored: later sessions and processes transplant them instead of prefilling), into
         ``library`` (default: the engine's) with the renderer of ``scope``."""
-        renderer, library = self.renderer(chat, scope), library or self.skills
         from kvagent.tools.format import format_of
 
+        renderer, library = self.renderer(chat, scope), library or self.skills
         segments = format_of(renderer).segments(tools)
 
         def work() -> Iterator[None]:
@@ -312,7 +312,7 @@ class Engine:
 
     def _tool_format(self) -> Any:
         """The tool format the model's chat template writes (``kvagent.tools.template``), or None: kvagent's own."""
-        from kvagent.tools.format import format_of
+        from kvagent.tools.format import HERMES
         from kvagent.tools.template import tool_format_of
 
         template = self.backend.chat_template
@@ -323,7 +323,7 @@ class Engine:
         if found is None and "tools" in template:
             log.warning("%s: its chat template mentions tools, but kvagent cannot read a tool format from it: tools, "
                         "calls and results are written in kvagent's own %s format", self.model.name,
-                        format_of(None).name)
+                        HERMES.name)
         return found
 
     def _chat_format(self) -> ChatFormat:

@@ -68,7 +68,7 @@ def to_segments(messages: Sequence[ChatMessage], *, after_start: bool = False,
     tool results share one user message where ``tool_format`` joins them (as the chat template does)."""
     out: list[Segment] = []
     leading = not after_start
-    joins = tool_format.joins_results()
+    joins = tool_format.result_separator is not None
     for i, m in enumerate(messages):
         leading = leading and m.role == "system"
         follows = joins and m.role == "tool" and i > 0 and messages[i - 1].role == "tool"

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from kvagent.tools.format import attach as attach_tools, format_of
 from kvagent.chat_format import ChatFormat
 from kvagent.edits import EditReport, EditStrategy, get_strategy
 from kvagent.edits.implicit import CalibratedSplice, field_name
@@ -36,6 +35,8 @@ from kvagent.kv.sync import PrefillReport, sync
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
 from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix, field_values
+from kvagent.tools.format import attach as attach_tools
+from kvagent.tools.format import format_of
 from kvagent.tools.spec import ToolSet
 
 if TYPE_CHECKING:
@@ -135,8 +136,7 @@ class Session:
         the prompt's tokens, the reply budget that fits (clipped to the context; with eviction, as asked) and the
         KV cells it may add beyond what is cached. Raises :class:`ContextOverflowError` (nothing changed) when
         no reply fits. Reads only: safe beside running work."""
-        rendered = self.renderer.render([*attach_tools(self.renderer, [self.replies.resolve(s) for s in segments]),
-                                         Segment.reply()])
+        rendered = self.renderer.render([*(self.replies.resolve(s) for s in segments), Segment.reply()])
         tokens = rendered.tokens  # SegmentOrderError on a bad order
         closing = self.renderer.closing_length("assistant") + 1
         n_ctx, evictor = self.n_ctx, self.cache.evictor

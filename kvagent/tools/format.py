@@ -240,9 +240,6 @@ class ToolFormat:
         seg = Segment.user(text + (self.result_separator if joined else ""), **({"id": id} if id else {}))
         return replace(seg, opens=opens, closes=not joined)
 
-    def joins_results(self) -> bool:
-        return self.result_separator is not None
-
 
 def _skip_space(text: str, at: int) -> int:
     while at < len(text) and text[at] in " \t\r\n":
@@ -283,23 +280,9 @@ def attach(renderer: Any, segments: Sequence[Segment]) -> list[Segment]:
     return format_of(renderer).attach(segments)
 
 
-def tool_segments(tools: ToolSet, tool_format: ToolFormat = HERMES) -> list[Segment]:
-    """The segments that describe ``tools`` in ``tool_format`` (:meth:`ToolFormat.segments`)."""
-    return tool_format.segments(tools)
-
-
-def render_calls(calls: Sequence[ToolCall], tool_format: ToolFormat = HERMES) -> str:
-    return tool_format.render_calls(calls)
-
-
-def parse_calls(text: str, tools: ToolSet | None = None, *, complete: bool = True,
-                tool_format: ToolFormat = HERMES) -> list[ToolCall]:
-    return tool_format.parse_calls(text, tools, complete=complete)
-
-
-def result_segment(name: str, call_id: str | None, content: str, *, id: str = "",
-                   tool_format: ToolFormat = HERMES) -> Segment:
-    return tool_format.result_segment(name, call_id, content, id=id)
+# kvagent's own format as functions (a model's format: ``format_of(engine.renderer(True))``'s methods)
+tool_segments, render_calls, parse_calls, result_segment = (HERMES.segments, HERMES.render_calls, HERMES.parse_calls,
+                                                            HERMES.result_segment)
 
 
 __all__ = ["CLOSE", "HERMES", "INSTRUCTIONS", "OPEN", "SEPARATOR", "ToolCall", "ToolFormat", "attach", "call_schema",

@@ -31,7 +31,7 @@ KEY_SEPARATOR, ITEM_SEPARATOR = ": ", ", "
 """The JSON separators the grammar imposes (``json.dumps``'s defaults), so a value re-serializes to its text."""
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": KEY_SEPARATOR, "item_separator": ITEM_SEPARATOR}
 _tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_tokenizers_lock = threading.Lock()
+_tokenizers_lock = threading.RLock()  # reentrant: a tokenizer is built from the table read under it
 
 
 def _llg() -> Any:
@@ -126,8 +126,7 @@ def tokenizer_of(backend: Backend) -> Any:
         found = _tokenizers.get(backend)
         if found is None:
             llg = _llg()
-            table = _tables.get(backend) or backend.token_table()
-            _tables[backend] = table
+            table = token_table_of(backend)
             eog = [t for t in range(len(table)) if backend.is_eog(t)]
 
             class Vocabulary:  # what llguidance's TokenizerWrapper reads
@@ -181,7 +180,7 @@ def _closing_tokens(backend: Backend) -> np.ndarray:
     with _tokenizers_lock:
         found = _closers.get(backend)
         if found is None:
-            table = backend.token_table()
+            table = token_table_of(backend)
             found = _closers[backend] = np.array([any(c in t for c in (b'"', b"}", b"]")) and not t.startswith(b"\xff")
                                                   for t in table], dtype=bool)
         return found

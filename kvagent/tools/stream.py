@@ -16,7 +16,6 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-
 from typing import Sequence
 
 from kvagent.tools.format import HERMES, ToolCall, ToolFormat, dumps

@@ -44,7 +44,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -316,9 +316,7 @@ def _read_calls(text: str, tools: ToolSet, tool_format: Any) -> list[tuple[str, 
         tagged = []
     if tagged:
         return [(c.name, dict(c.arguments)) for c in tagged]
-    from dataclasses import replace as _replace
-
-    return [(c.name, dict(c.arguments)) for c in _replace(tool_format, untagged=True).untagged_calls(text, tools)]
+    return [(c.name, dict(c.arguments)) for c in replace(tool_format, untagged=True).untagged_calls(text, tools)]
 
 
 def agent_record(system: str, reading: str, request: Any, calls: Sequence[tuple[str, Any]], tools: ToolSet,
