@@ -388,7 +388,7 @@ class Session:
         base = attach_tools(self.renderer, [self.replies.resolve(s) for s in segments]) if segments is not None else None
         constraint, called = None, None
         if tools or response_schema is not None:
-            from kvagent.tools.choice import ToolChoice, turn_grammar
+            from kvagent.tools.choice import ToolChoice, callable_tools, turn_grammar
             from kvagent.tools.grammar import Constraint  # llguidance is loaded only where tools are
 
             choice = ToolChoice.of(tool_choice, tools or ToolSet(), parallel_tool_calls) if tools else None
@@ -396,7 +396,7 @@ class Session:
             if grammar is not None:
                 constraint = Constraint(self.cache.backend, grammar)
             if choice is not None and choice.mode != "none":  # with a schema too: auto is a call or the reply
-                called = tools  # the calls of the turn are read from its text
+                called = callable_tools(tools, choice) or None  # the calls of the turn are read from its text
         return Decoder(self, max_tokens, sampler, stop, extra, prefix, on_piece, base=base, constraint=constraint,
                        tools=called)
 

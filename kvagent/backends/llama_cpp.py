@@ -591,11 +591,17 @@ class BaselineChat:
     llama-cpp-python falls back to its ``llama-2`` format), so the model never reads the tools; a ``tool_choice``
     naming a function constrains the reply to that function's parameters schema (a GBNF grammar) and returns it
     as a call; ``auto`` and ``required`` decode free text.
+
+    ``cache_bytes``: llama-cpp-python's documented prompt cache (``Llama.set_cache(LlamaRAMCache(capacity))``): the
+    state after each reply is kept in RAM by its tokens, and a prompt that shares a longer prefix with a kept state
+    than with the last prompt starts from that state (copied back into the context).
     """
 
-    def __init__(self, model_path: Path, *, n_ctx: int = 4096, n_threads: int = 0) -> None:
+    def __init__(self, model_path: Path, *, n_ctx: int = 4096, n_threads: int = 0, cache_bytes: int = 0) -> None:
         self._llama = C.Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=n_threads or os.cpu_count() or 1,
                               verbose=False)
+        if cache_bytes:
+            self._llama.set_cache(C.LlamaRAMCache(capacity_bytes=cache_bytes))
         self._decoded: list[int] = []  # sizes of the eval calls of the current reply: the first is the prompt's
         self._prefix = 0
         evaluate = self._llama.eval

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 KEY_SEPARATOR, ITEM_SEPARATOR = ": ", ", "
 """The JSON separators the grammar imposes (``json.dumps``'s defaults), so a value re-serializes to its text."""
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": KEY_SEPARATOR, "item_separator": ITEM_SEPARATOR}
+# a bare-JSON call as a model writes one on its own, often pretty-printed in a fence: whitespace between tokens, bounded
+# (unbounded, a small model may write newlines until max_tokens)
+LOOSE_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": "[\\n ]{0,16}"}
 _tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.RLock()  # reentrant: a tokenizer is built from the table read under it
 
@@ -73,8 +76,8 @@ def closed_objects(schema: Any, *, close: bool = True) -> Any:
     return out
 
 
-def _with_options(schema: Mapping[str, Any]) -> dict[str, Any]:
-    return {**closed_objects(schema), "x-guidance": JSON_OPTIONS}
+def _with_options(schema: Mapping[str, Any], options: Mapping[str, Any] = JSON_OPTIONS) -> dict[str, Any]:
+    return {**closed_objects(schema), "x-guidance": dict(options)}
 
 
 def check_schema(name: str, schema: dict[str, Any]) -> None:
@@ -103,9 +106,9 @@ def lark_grammar(source: str) -> str:
     return str(_llg().LLMatcher.grammar_from_lark(source))
 
 
-def json_lark(schema: Mapping[str, Any]) -> str:
-    """``schema`` embedded in a Lark rule, with this module's JSON options."""
-    return f"%json {json.dumps(_with_options(schema))}"
+def json_lark(schema: Mapping[str, Any], options: Mapping[str, Any] = JSON_OPTIONS) -> str:
+    """``schema`` embedded in a Lark rule, with this module's JSON options (or ``options``)."""
+    return f"%json {json.dumps(_with_options(schema, options))}"
 
 
 _tables: weakref.WeakKeyDictionary[Any, list[bytes]] = weakref.WeakKeyDictionary()

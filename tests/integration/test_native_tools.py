@@ -190,6 +190,52 @@ def test_tools_are_prefilled_and_a_transplant_of_them_is_re_rotated(qwen: Engine
     assert logit_cosine(ours, cold) >= 0.95
 
 
+@pytest.mark.parametrize("reply, accepted", [
+    ("Hello! How can I help?", True),
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', True),
+    ('```json\n{\n  "name": "lookup_order",\n  "arguments": {\n    "order_id": "A-1"\n  }\n}\n```\n', True),
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', True),  # the other key this model writes
+    ('{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}', False),  # a near miss: decoded as the call
+    ('{"name": "get_weather", "arguments": {}}', False),  # a required argument missing
+    ('```json\n{"name": "lookup_order", "arguments": {"order_id": "A-1"}}', False),  # a fence opened and not closed
+    ('{"name": "tell_joke", "arguments": {"joke": "..."}}', True),  # a made-up tool stays text
+    ('{"name": "get_weather_now", "arguments": {}}', True),  # a bound name's prefix is another name
+    ('{"answer": 42}', True),  # an ordinary JSON reply
+    ("```python\nprint({'name': 1})\n```", True),
+    ('Sure: {"name": "get_weather", "arguments": {"city": "Oslo"}}', True),  # prose first: text, read as none
+])
+def test_auto_holds_a_reply_that_opens_a_bound_bare_call_to_a_valid_one(qwen: Engine, qwen_format: ToolFormat,
+                                                                       reply: str, accepted: bool) -> None:
+    """Under ``auto`` a reply that opens a JSON object naming a bound tool (bare or fenced) must be that call with
+    valid arguments; anything else may be text."""
+    from kvagent.tools.choice import ToolChoice, turn_grammar
+    from kvagent.tools.grammar import accepts
+
+    grammar = turn_grammar(TOOLS, ToolChoice("auto"), None, qwen_format, qwen.backend)
+    assert accepts(qwen.backend, grammar, reply) is accepted
+
+
+@pytest.mark.parametrize("reply, accepted", [
+    ("Your order A-1042 shipped on 3 Dec.", True),
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', True),  # a tool not called yet
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', True),
+    ('{"name": "lookup_order", "arguments": {"order_id": "A-1042"}}', False),  # the call just answered
+    ('<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A-1042"}}\n</tool_call>', False),
+    ('```json\n```json\n{"name}: lookup_order", "arguments": {}}\n```', False),  # what the model tried instead
+    ('{"status": "shipped"}', False),
+])
+def test_once_a_tool_is_spent_the_reply_neither_calls_it_nor_writes_a_call_as_text(
+        qwen: Engine, qwen_format: ToolFormat, reply: str, accepted: bool) -> None:
+    """``ToolChoice(spent=...)`` (``auto_tools="once"``): after its result, the tool may not be called again, and
+    the text holds no JSON object (this model otherwise writes the call again as text)."""
+    from kvagent.tools.choice import ToolChoice, turn_grammar
+    from kvagent.tools.grammar import accepts
+
+    choice = ToolChoice("auto", spent=frozenset({"lookup_order"}))
+    grammar = turn_grammar(TOOLS, choice, None, qwen_format, qwen.backend)
+    assert accepts(qwen.backend, grammar, reply) is accepted
+
+
 @pytest.mark.parametrize("reply, calls", [
     ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', [("get_weather", {"city": "Oslo"})]),
     ('```json\n{\n  "name": "lookup_order",\n  "arguments": {"order_id": "A-1"}\n}\n```', [("lookup_order", {"order_id": "A-1"})]),

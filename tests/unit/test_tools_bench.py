@@ -160,6 +160,32 @@ def test_plan_refuses_bad_options(quick: bool, reps: int | None, requests: int |
         tb.Plan.for_run(quick, reps=reps, requests=requests)
 
 
+@pytest.mark.parametrize("counts, error", [([], "tool counts"), ([0, 4], "tool counts"), ([MAX_SYNTHETIC + 1], "tool counts")])
+def test_plan_refuses_bad_tool_counts(counts: list[int], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        tb.Plan.for_run(False, counts=counts)
+
+
+@pytest.mark.parametrize("quick, counts, expected", [(False, [16], (16,)), (True, None, (2, 4)), (False, None, (4, 16, 64))])
+def test_plan_takes_tool_counts(quick: bool, counts: list[int] | None, expected: tuple[int, ...]) -> None:
+    assert tb.Plan.for_run(quick, counts=counts).counts == expected
+
+
+def test_interleaved_turns_alternate_two_agents_as_a_server_sees_them() -> None:
+    """Per round a fresh conversation of each agent, then a later turn of each; round 0's fresh ones are first."""
+    turns = tb._interleaved_turns(2)
+    assert turns[:4] == [("first", 0, 0), ("first", 0, 1), ("later", 0, 0), ("later", 0, 1)]
+    assert turns[4:8] == [("fresh", 1, 0), ("fresh", 1, 1), ("later", 1, 0), ("later", 1, 1)]
+    assert len(turns) == 12 and sum(kind == "fresh" for kind, _, _ in turns) == 4
+    # every turn before a later one of the same conversation is the other agent's: no peer reuses its own prompt
+    for i, (kind, r, a) in enumerate(turns):
+        if kind == "later":
+            assert turns[i - 1][2] != a
+    later = tb._interleaved_messages("later", 1, 0)
+    assert later[:2] == tb._interleaved_messages("fresh", 1, 0) and [m["role"] for m in later[2:]] == ["assistant", "user"]
+    assert tb._interleaved_messages("fresh", 1, 0)[0] != tb._interleaved_messages("fresh", 1, 1)[0]
+
+
 def test_plan_full_run_meets_the_brief() -> None:
     plan = tb.Plan.for_run(False)
     assert plan.requests == len(REQUESTS) >= 50 and plan.counts == (4, 16, 64) and plan.reps >= 3

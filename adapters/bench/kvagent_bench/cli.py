@@ -326,10 +326,13 @@ def bench_tools(
     model: str = typer.Option(None, help="One model (default: every registry model)."),
     quick: bool = typer.Option(False, help="6 requests, 2 and 4 tools, 1 repetition, 16 decoded tokens."),
     tasks: str = typer.Option("validity,ttft,decode", help="Tasks to run, comma-separated (validity, ttft, decode, "
-                              "agent: the held-out agent set against llama-cpp-python and llama-server, for a "
-                              "tool-trained model); the JSON keeps the other tasks' rows."),
+                              "agent / agent-test: the agent set's dev / test split against llama-cpp-python and "
+                              "llama-server, for a tool-trained model; interleaved: TTFT of fresh conversations and later turns of two "
+                              "agents served together, for a tool-trained model); the JSON keeps the other tasks' rows."),
     reps: int = typer.Option(None, help="TTFT repetitions (default 3; 1 with --quick)."),
     requests: int = typer.Option(None, help="Requests of the held-out set to run (default all 60; 6 with --quick)."),
+    counts: str = typer.Option(None, help="Tools bound in the TTFT tasks, comma-separated (default 4,16,64; 2,4 "
+                               "with --quick)."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default bench/results/tools.json)."),
 ) -> None:
     """Tool calling: valid calls with and without the grammar, tool selection, TTFT with 4-64 tools bound vs
@@ -340,7 +343,8 @@ def bench_tools(
     if not chosen or set(chosen) - set(tools.TASKS):
         raise typer.BadParameter(f"unknown task(s) in {tasks!r}: use {', '.join(tools.TASKS)}", param_hint="--tasks")
     try:
-        plan = tools.Plan.for_run(quick, reps=reps, requests=requests)
+        plan = tools.Plan.for_run(quick, reps=reps, requests=requests,
+                                  counts=[int(n) for n in counts.split(",") if n.strip()] if counts else None)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     json_path = json_path or (RESULTS_DIR / "tools-quick.json" if quick else tools.DEFAULT_JSON)
@@ -350,11 +354,13 @@ def bench_tools(
     plot_path = json_path.with_suffix(".png")
     tools.plot(rows, plot_path)
     ci = lambda r: f"{r['share']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] ({r['successes']}/{r['n']})"  # noqa: E731
-    if any(r["task"] == "agent" for r in rows):
-        agent_plot = json_path.with_name(json_path.stem + "-agent.png")
-        tools.plot_agent(rows, agent_plot)
-        print_table(f"agent set ({json_path}, {agent_plot})", ("model", "system", "reading", "metric", "share [95% CI]"),
-                    [[r["model"], r["system"], r["reading"], r["mode"], ci(r)] for r in rows if r["task"] == "agent"])
+    for task in ("agent", "agent-test"):
+        if any(r["task"] == task for r in rows):
+            agent_plot = json_path.with_name(f"{json_path.stem}-{task}.png")
+            tools.plot_agent(rows, agent_plot, task)
+            print_table(f"agent set, {'test' if task == 'agent-test' else 'dev'} split ({json_path}, {agent_plot})",
+                        ("model", "system", "reading", "metric", "share [95% CI]"),
+                        [[r["model"], r["system"], r["reading"], r["mode"], ci(r)] for r in rows if r["task"] == task])
     print_table(f"tool calls ({json_path}, {plot_path})", ("model", "task", "mode", "share [95% CI]", "notes"),
                 [[r["model"], r["task"], r["mode"], ci(r),
                   f"{r['attempted']} turns wrote {'<tool_call>'}" if "attempted" in r else ""]
@@ -365,6 +371,14 @@ def bench_tools(
                   f"{r['prompt_tokens']:.0f}", f"{r['computed']:.0f}", f"{r['transplanted']:.0f}",
                   f"compiled once in {r['compile_s']:.1f} s, grammar {r['grammar_s'] * 1e3:.0f} ms"
                   if "compile_s" in r else ""] for r in rows if r["task"] == "ttft"])
+    if any(r["task"] == "interleaved" for r in rows):
+        interleaved_plot = json_path.with_name(json_path.stem + "-interleaved.png")
+        tools.plot_interleaved(rows, interleaved_plot)
+        print_table(f"two agents' conversations interleaved ({interleaved_plot})",
+                    ("model", "tools", "turn", "system", "TTFT ms", "x kvagent's", "computed", "reused"),
+                    [[r["model"], str(r["tools"]), r["kind"], r["system"], f"{r['ttft_s'] * 1e3:.0f}",
+                      f"{r['speedup_vs']:.1f}", f"{r['computed']:.0f}", f"{r['reused']:.0f}"]
+                     for r in rows if r["task"] == "interleaved"])
     print_table("per-token cost of constrained decoding", ("model", "mode", "ms/token", "added", "added (mask + "
                                                             "consume)", "mask ms/token", "consume ms/token", "tokens"),
                 [[r["model"], r["mode"], f"{r['ms_per_token']:.2f}", f"{r['added_share']:+.1%}",

@@ -30,6 +30,16 @@ Three tasks per model, each in one process so that its ratios compare like with 
   model's tags, or a reply that is only a bare-JSON call), so a peer whose parser misses a call the model wrote is
   not counted out for it. Rows: calls on tool requests, intended tool, arguments right, valid (every call bound
   and its arguments valid by ``jsonschema``), no call on small talk.
+- ``interleaved`` (for a tool-trained model, e.g. ``--model qwen2.5-coder-0.5b --tasks interleaved``): two agents
+  (two system prompts, the same 4 / 16 / 64 tools) served by one process, their conversations interleaved as a server
+  sees them: per round, a fresh conversation of agent A, one of agent B, then a later turn of each (the history is
+  the first turn, a short reply, a second request). kvagent keeps the conversations open as its adapters do, so a
+  fresh conversation starts from the other conversations' identical system-and-tools prefix (the prefix index) and a
+  later turn from its own cache. The peers, in the same process on the same GGUF, under each one's documented
+  setting: llama-cpp-python's ``create_chat_completion(tools=...)`` as it is (it reuses the prefix of its last
+  prompt) and with its RAM prompt cache (``LlamaRAMCache``: the longest matching kept state is loaded back).
+  ``tool_choice="auto"``, one token; the first conversation of each agent (nothing to share yet) is reported as
+  ``first``; medians over ``reps`` rounds.
 - ``decode``: the per-token cost of constrained decoding: one session and prompt, 64 generated tokens, greedy,
   free vs a JSON-schema reply vs a required call; ms per token between decode steps (the median step, prefill
   excluded), the time in ``Constraint.masked`` and ``Constraint.consume`` per token apart: what the grammar adds
@@ -53,7 +63,7 @@ from kvagent.segments import Segment
 from kvagent.tools import ToolSet, parse_calls
 from kvagent.tools.format import INSTRUCTIONS, OPEN, describe
 from kvagent_bench.common import RESULTS_DIR, median, wilson_interval, write_json
-from kvagent_bench.tool_cases import AGENT_TOOLS, REQUESTS, pick_requests, synthetic_tools
+from kvagent_bench.tool_cases import AGENT_TOOLS, MAX_SYNTHETIC, REQUESTS, pick_requests, synthetic_tools
 
 if TYPE_CHECKING:
     from kvagent.engine import Engine
@@ -61,7 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_JSON = RESULTS_DIR / "tools.json"
-TASKS = ("validity", "ttft", "decode", "agent")
+TASKS = ("validity", "ttft", "decode", "agent", "agent-test", "interleaved")
 DEFAULT_TASKS = ("validity", "ttft", "decode")
 AGENT_SYSTEMS = ("kvagent auto", "kvagent required", "llama-cpp-python", "llama-server --jinja")
 AGENT_POLICY = "You are a helpful personal assistant. Use a tool when the request needs one; otherwise just answer."
@@ -89,19 +99,24 @@ class Plan:
     max_tokens: int = 96
 
     @classmethod
-    def for_run(cls, quick: bool, reps: int | None = None, requests: int | None = None) -> Plan:
-        """The full plan (every request, 4/16/64 tools, 3 reps, 64 tokens x 6) or the ``--quick`` one."""
+    def for_run(cls, quick: bool, reps: int | None = None, requests: int | None = None,
+                counts: Sequence[int] | None = None) -> Plan:
+        """The full plan (every request, 4/16/64 tools, 3 reps, 64 tokens x 6) or the ``--quick`` one; ``counts``:
+        other tool counts for the TTFT tasks."""
         if reps is not None and reps < 1:
             raise ValueError(f"reps must be >= 1, got {reps}")
         if requests is not None and not 1 <= requests <= len(REQUESTS):
             raise ValueError(f"requests must be from 1 to {len(REQUESTS)}, got {requests}")
+        if counts is not None and (not counts or not all(1 <= n <= MAX_SYNTHETIC for n in counts)):
+            raise ValueError(f"tool counts must be from 1 to {MAX_SYNTHETIC}, got {list(counts)}")
         if quick:
-            return cls(requests or 6, (2, 4), reps or 1, 16, 1)
-        return cls(requests or len(REQUESTS), (4, 16, 64), reps or 3, 64, 6)
+            return cls(requests or 6, tuple(counts or (2, 4)), reps or 1, 16, 1)
+        return cls(requests or len(REQUESTS), tuple(counts or (4, 16, 64)), reps or 3, 64, 6)
 
-    def n_ctx(self) -> int:
-        """Cells for the largest tool set's prompt (about 110 tokens a tool) with room for the turn."""
-        return 1024 + 128 * max(self.counts)
+    def n_ctx(self, agents: int = 1) -> int:
+        """Cells for ``agents`` prompts of the largest tool set (about 110 tokens a tool) with room for the turns (the
+        ``interleaved`` task holds two agents' prompts at once)."""
+        return 1024 * agents + 128 * max(self.counts) * agents
 
 
 # -- pure parts ---------------------------------------------------------------------------------------
@@ -308,6 +323,99 @@ def measure_ttft(engine: Engine, model: str, plan: Plan, progress: Callable[[str
     return rows
 
 
+INTERLEAVED_SYSTEMS = (
+    "You are the billing desk of a small business app. Answer invoices and payments questions, using the tools.",
+    "You are the shipping desk of a small business app. Answer orders and deliveries questions, using the tools.")
+INTERLEAVED_REPLY = "I have looked that up: it is in progress. Anything else?"
+INTERLEAVED_PEERS = (("llama-cpp-python", 0), ("llama-cpp-python, RAM cache", 4 << 30))
+
+
+def _interleaved_turns(reps: int) -> list[tuple[str, int, int]]:
+    """``(kind, round, agent)`` in the order a server sees them: per round a fresh conversation of each agent, then a
+    later turn of each; round 0's fresh turns are ``first`` (nothing to share yet)."""
+    order: list[tuple[str, int, int]] = []
+    for r in range(reps + 1):
+        order += [("first" if r == 0 else "fresh", r, a) for a in (0, 1)]
+        order += [("later", r, a) for a in (0, 1)]
+    return order
+
+
+def _interleaved_messages(kind: str, r: int, a: int) -> list[dict[str, str]]:
+    first = f"Please look up INV-{1040 + 10 * r + a} and tell me its status."
+    messages = [{"role": "system", "content": INTERLEAVED_SYSTEMS[a]}, {"role": "user", "content": first}]
+    if kind == "later":
+        messages += [{"role": "assistant", "content": INTERLEAVED_REPLY},
+                     {"role": "user", "content": f"And what about order A-{2040 + 10 * r + a}?"}]
+    return messages
+
+
+def _as_segments(messages: Sequence[Mapping[str, str]], tool_segments: Sequence[Segment]) -> list[Segment]:
+    out = [Segment.policy(messages[0]["content"]), *tool_segments]
+    for m in messages[1:]:
+        out.append(Segment.user(m["content"]) if m["role"] == "user" else Segment.assistant(m["content"]))
+    return out
+
+
+def measure_interleaved(engine: Engine, model: str, plan: Plan, progress: Callable[[str], None]
+                        ) -> list[dict[str, Any]]:
+    """Rows per tool count, system and kind (``first``, ``fresh``, ``later``): median TTFT and tokens computed (see
+    the module); ``speedup_vs``: a peer's median over kvagent's for the same kind."""
+    from kvagent.backends.registry import baseline_chat
+    from kvagent.tools.format import HERMES, format_of
+
+    if format_of(engine.renderer(True)) is HERMES:
+        log.warning("interleaved task: %s's chat template does not render tools, so llama-cpp-python would not show "
+                    "them to the model: skipped (run it on a tool-trained model, e.g. qwen2.5-coder-0.5b)", model)
+        return []
+    order = _interleaved_turns(plan.reps)
+    rows: list[dict[str, Any]] = []
+    for n in plan.counts:
+        tools = ToolSet(synthetic_tools(n))
+        openai = [t.openai() for t in tools]
+        segments = engine.tool_segments(tools)
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        sessions: dict[tuple[int, int], Any] = {}
+        try:
+            for kind, r, a in order:
+                progress(f"{model} interleaved: kvagent, {n} tools, {kind} turn of agent {a} (round {r})")
+                messages = _interleaved_messages(kind, r, a)
+                if kind != "later":
+                    sessions[(r, a)] = engine.session([])
+                gen = sessions[(r, a)].generate(1, tools=tools, tool_choice="auto",
+                                                segments=_as_segments(messages, segments))
+                runs.setdefault(("kvagent", kind), []).append(
+                    {"ttft_s": gen.ttft_s, "computed": gen.computed, "reused": gen.reused})
+                if kind != "later" and (r - 1, a) in sessions:  # the agent's previous conversation gives way
+                    sessions.pop((r - 1, a)).close()
+        finally:
+            for s in sessions.values():
+                s.close()
+        for name, cache_bytes in INTERLEAVED_PEERS:
+            peer = baseline_chat(engine.settings.backend, engine.model.path, n_ctx=plan.n_ctx(),
+                                 cache_bytes=cache_bytes)
+            try:
+                peer.reply([{"role": "user", "content": "warm-up"}], 1)
+                for kind, r, a in order:
+                    progress(f"{model} interleaved: {name}, {n} tools, {kind} turn of agent {a} (round {r})")
+                    reply = peer.reply(_interleaved_messages(kind, r, a), 1, tools=openai, tool_choice="auto")
+                    runs.setdefault((name, kind), []).append(
+                        {"ttft_s": reply.ttft_s, "computed": reply.computed, "reused": reply.prompt_tokens - reply.computed})
+            finally:
+                peer.close()
+        mine = []
+        for (system, kind), reps in runs.items():
+            mine.append({"model": model, "task": "interleaved", "system": system, "kind": kind, "tools": n,
+                         "reps": len(reps), "ttft_s": median([x["ttft_s"] for x in reps]),
+                         "ttft_all_s": [x["ttft_s"] for x in reps],
+                         "computed": median([x["computed"] for x in reps]),
+                         "reused": median([x["reused"] for x in reps])})
+        for row in mine:
+            ours = next(x["ttft_s"] for x in mine if x["system"] == "kvagent" and x["kind"] == row["kind"])
+            row["speedup_vs"] = row["ttft_s"] / ours if ours else float("nan")
+        rows += mine
+    return rows
+
+
 def _read_calls(text: str, tools: ToolSet, tool_format: Any) -> list[tuple[str, Any]]:
     """The calls a reply's text holds as kvagent reads one: the model's tags, else a reply that is only bare JSON."""
     try:
@@ -333,9 +441,10 @@ def agent_record(system: str, reading: str, request: Any, calls: Sequence[tuple[
             and arguments_right(first[1], request.arguments), "text": text[:300], "ttft_s": ttft_s}
 
 
-def agent_rows(model: str, records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def agent_rows(model: str, records: Sequence[Mapping[str, Any]], task: str = "agent") -> list[dict[str, Any]]:
     """Per system and reading: calls on tool requests, intended tool, arguments right, valid calls (shares of the
-    tool requests), and no call on small talk (share of those), each with its 95% Wilson interval."""
+    tool requests), and no call on small talk (share of those), each with its 95% Wilson interval; rows of
+    ``task``."""
     rows = []
     for system in AGENT_SYSTEMS:
         for reading in ("returned", "read"):
@@ -345,29 +454,31 @@ def agent_rows(model: str, records: Sequence[Mapping[str, Any]]) -> list[dict[st
             asked = [r for r in mine if r["intended"] is not None]
             talk = [r for r in mine if r["intended"] is None]
             extra = {"system": system, "reading": reading}
-            rows += [share_row(model, "agent", "called", sum(r["calls"] > 0 for r in asked), len(asked), **extra),
-                     share_row(model, "agent", "selected", sum(r["selected"] for r in asked), len(asked), **extra),
-                     share_row(model, "agent", "arguments", sum(r["arguments_right"] for r in asked), len(asked),
+            rows += [share_row(model, task, "called", sum(r["calls"] > 0 for r in asked), len(asked), **extra),
+                     share_row(model, task, "selected", sum(r["selected"] for r in asked), len(asked), **extra),
+                     share_row(model, task, "arguments", sum(r["arguments_right"] for r in asked), len(asked),
                                **extra),
-                     share_row(model, "agent", "valid", sum(r["valid"] for r in asked), len(asked), **extra)]
+                     share_row(model, task, "valid", sum(r["valid"] for r in asked), len(asked), **extra)]
             if talk:
-                rows.append(share_row(model, "agent", "no_call_on_small_talk", sum(r["calls"] == 0 for r in talk),
+                rows.append(share_row(model, task, "no_call_on_small_talk", sum(r["calls"] == 0 for r in talk),
                                       len(talk), **extra))
     return rows
 
 
-def measure_agent(engine: Engine, model: str, plan: Plan, progress: Callable[[str], None], log_dir: Path
-                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The agent task's rows and per-request records (see the module)."""
+def measure_agent(engine: Engine, model: str, plan: Plan, progress: Callable[[str], None], log_dir: Path,
+                  split: str = "dev") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The agent task's rows and per-request records (see the module) on the agent set's ``split`` (``dev``: task
+    ``agent``; ``test``: task ``agent-test``)."""
     from kvagent.backends.registry import baseline_chat
     from kvagent.tools.format import format_of
-    from kvagent_bench.agent_tool_cases import REQUESTS as AGENT_REQUESTS
-    from kvagent_bench.agent_tool_cases import SMALL_TALK, TOOLS as AGENT_TOOL_DICTS
+    from kvagent_bench.agent_tool_cases import SPLITS, TOOLS as AGENT_TOOL_DICTS
     from kvagent_bench.server.llama_server import LlamaServer, LlamaServerConfig, missing_reason
 
+    task = "agent" if split == "dev" else f"agent-{split}"
     tools = ToolSet(AGENT_TOOL_DICTS)
     tool_format = format_of(engine.renderer(True))
-    cases = [*AGENT_REQUESTS, *SMALL_TALK]
+    asked, talk = SPLITS[split]
+    cases = [*asked, *talk]
     records: list[dict[str, Any]] = []
     base = [Segment.policy(AGENT_POLICY), *engine.tool_segments(tools)]
     for i, request in enumerate(cases):
@@ -419,7 +530,8 @@ def measure_agent(engine: Engine, model: str, plan: Plan, progress: Callable[[st
         log.warning("agent task: llama-server is not measured (%s)", why)
     for r in records:
         r["model"] = model
-    return agent_rows(model, records), records
+        r["task"] = task
+    return agent_rows(model, records, task), records
 
 
 def _json_or_text(arguments: str) -> Any:
@@ -523,7 +635,8 @@ def run(models: list[str], plan: Plan, json_path: Path, command: str, tasks: Seq
     records: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = merge_rows(rows_old, [], tasks, models)
     for model in models:
-        with tempfile.TemporaryDirectory() as store, _load(model, plan.n_ctx()) as engine:
+        agents = 2 if "interleaved" in tasks else 1
+        with tempfile.TemporaryDirectory() as store, _load(model, plan.n_ctx(agents)) as engine:
             _own_store(engine, Path(store))  # every compile is this run's, timed from nothing
             for task in TASKS:
                 if task not in tasks:
@@ -531,11 +644,14 @@ def run(models: list[str], plan: Plan, json_path: Path, command: str, tasks: Seq
                 if task == "validity":
                     got, recs = measure_validity(engine, model, plan, progress)
                     records += recs
-                elif task == "agent":
-                    got, recs = measure_agent(engine, model, plan, progress, Path(store))
+                elif task in ("agent", "agent-test"):
+                    got, recs = measure_agent(engine, model, plan, progress, Path(store),
+                                              "dev" if task == "agent" else "test")
                     records += recs
                 elif task == "ttft":
                     got = measure_ttft(engine, model, plan, progress)
+                elif task == "interleaved":
+                    got = measure_interleaved(engine, model, plan, progress)
                 else:
                     got = measure_decode(engine, model, plan, progress)
                 new += got
@@ -618,15 +734,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 AGENT_METRICS = ("called", "selected", "arguments", "valid", "no_call_on_small_talk")
 
 
-def plot_agent(rows: list[dict[str, Any]], path: Path) -> None:
-    """The agent task: per model, each metric's share per system (solid: the calls a system returns; hatched: the
-    calls read from a peer's text as kvagent reads a reply), with 95% Wilson intervals."""
+def plot_agent(rows: list[dict[str, Any]], path: Path, task: str = "agent") -> None:
+    """The agent task (``task``: ``agent`` or ``agent-test``, the set's split): per model, each metric's share per
+    system (solid: the calls a system returns; hatched: the calls read from a peer's text as kvagent reads a reply),
+    with 95% Wilson intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mine = [r for r in rows if r["task"] == "agent"]
+    mine = [r for r in rows if r["task"] == task]
     models = sorted({r["model"] for r in mine})
     fig, axes = plt.subplots(len(models), 1, figsize=(13, 4.2 * len(models)), squeeze=False)
     colours = dict(zip(AGENT_SYSTEMS, ("tab:green", "tab:olive", "tab:red", "tab:blue")))
@@ -653,8 +770,8 @@ def plot_agent(rows: list[dict[str, Any]], path: Path) -> None:
             x += 1
         ax.set_xticks(ticks, labels, fontsize=8)
         ax.set_ylim(0, 1.15)
-        ax.set_title(f"{m}: tool calls on the held-out agent set (tool requests; small talk for the last group)",
-                     fontsize=9)
+        ax.set_title(f"{m}: tool calls on the agent set's {'test' if task == 'agent-test' else 'dev'} split (tool "
+                     "requests; small talk for the last group)", fontsize=9)
         ax.legend(fontsize=6, ncol=3, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -662,6 +779,43 @@ def plot_agent(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_interleaved(rows: list[dict[str, Any]], path: Path) -> None:
+    """The interleaved task: per model and turn kind, median TTFT against the tools bound, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in rows if r["task"] == "interleaved"]
+    models = sorted({r["model"] for r in mine})
+    kinds = ("first", "fresh", "later")
+    fig, axes = plt.subplots(len(models), len(kinds), figsize=(15, 4 * len(models)), squeeze=False)
+    styles = {"kvagent": "-o", "llama-cpp-python": ":s", "llama-cpp-python, RAM cache": "--^"}
+    titles = {"first": "an agent's first conversation", "fresh": "a fresh conversation of a served agent",
+              "later": "a later turn (the other agent's between)"}
+    for row_axes, m in zip(axes, models):
+        for ax, kind in zip(row_axes, kinds):
+            for system, style in styles.items():
+                pts = sorted((r["tools"], r["ttft_s"], r["computed"]) for r in mine
+                             if r["model"] == m and r["kind"] == kind and r["system"] == system)
+                if not pts:
+                    continue
+                ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], style, label=system)
+                for p in pts:
+                    ax.annotate(f"{p[2]:.0f}", (p[0], p[1] * 1e3), fontsize=6, textcoords="offset points",
+                                xytext=(3, 3))
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tools bound (~105 tokens each)")
+            ax.set_ylabel("TTFT ms (median; labels: tokens computed)")
+            ax.set_title(f"{m}: {titles[kind]}", fontsize=9)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 __all__ = ["AGENT_SYSTEMS", "DEFAULT_JSON", "MODES", "Plan", "Score", "TASKS", "baseline_messages", "check_arguments", "measure_decode",
-           "measure_agent", "measure_ttft", "measure_validity", "merge_rows", "per_token_ms", "plot", "plot_agent", "run", "score_calls",
+           "measure_agent", "measure_interleaved", "measure_ttft", "measure_validity", "merge_rows", "per_token_ms", "plot", "plot_agent", "plot_interleaved", "run", "score_calls",
            "score_text", "share_row"]

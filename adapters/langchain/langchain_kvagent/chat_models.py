@@ -125,11 +125,14 @@ class ChatKVAgent(BaseChatModel):
     failed call is never retried."""
     api_key: SecretStr | None = None
     """Accepted for code written against hosted models; a local model needs none (ignored)."""
-    auto_tools: Literal["free", "each_once"] = "free"
+    auto_tools: Literal["free", "once", "each_once"] = "free"
     """How ``tool_choice="auto"`` (what agents bind by default) is decoded: ``free``: the model answers in text or
-    calls, its first token decides (measured: neither shipped model ever starts a call that way); ``each_once``:
-    after a user message it must call a tool it has not called since, and answers in text once each was called
-    (an agent loop on a small model: ``create_react_agent`` then runs its tools to a final answer)."""
+    calls, its first token decides (measured: neither shipped model ever starts a call that way); ``once``: as
+    ``free``, but a tool called since the last user message may not be called again (its result is in the prompt;
+    measured: Qwen2.5-Coder-0.5B repeats its call after the result, and a ``create_agent`` loop never ends);
+    ``each_once``: after a user message it must call a tool it has not called since, and answers in text once each
+    was called (an agent loop on a model too small to choose: ``create_react_agent`` then runs its tools to a final
+    answer)."""
     streaming: bool = False
     """Generate through :meth:`_stream` even on ``invoke`` (callbacks then see each token)."""
 

@@ -28,6 +28,9 @@ def chat(
     max_tokens: int = typer.Option(128, help="Most tokens per reply."),
     n_ctx: int = typer.Option(4096, help="KV cache size in tokens."),
     capture: str = typer.Option("none", help="Activation capture (none, native, python): needed by /evict surprise."),
+    auto_tools: str = typer.Option("each_once", help="How tool_choice auto is decoded: each_once (a model too small "
+                                   "to choose, as the default SmolLM2), once (a tool-trained model such as "
+                                   "qwen2.5-coder-0.5b: no tool twice per request), or free."),
 ) -> None:
     """Open the desktop agent (needs the LangChain adapter's desktop extra)."""
     try:
@@ -43,7 +46,7 @@ def chat(
         fields = parse_fields(field or ["customer=Alice Moreau", "order_status=processing"])
         agent = ChatKVAgent(model=model, policy=policy or POLICY, fields=fields, max_tokens=max_tokens, n_ctx=n_ctx,
                             skill_dirs=[str(skills)] if skills else [], compile_skills=True, capture=capture,
-                            auto_tools="each_once")
+                            auto_tools=auto_tools)
         agent.skill_catalog()  # a bad skills folder is reported here, before the app starts
     except (KVAgentError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         console.print(f"[red]error:[/] {exc}")

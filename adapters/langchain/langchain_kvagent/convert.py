@@ -18,7 +18,7 @@ from kvagent.tools.format import HERMES, ToolFormat
 from kvagent.openai_shape import ToolSets
 from kvagent.segments import Segment
 from kvagent.tools import ToolCall, ToolSet
-from kvagent.tools.choice import each_tool_once
+from kvagent.tools.choice import ToolChoice, each_tool_once, spent_tools
 
 DEFAULT_SESSION = "default"
 _TYPES = {"system", "human", "ai", "tool", "function", "chat"}
@@ -117,8 +117,11 @@ def parse_call(model: Any, messages: list[BaseMessage], stop: list[str] | None, 
     tools, segments = toolsets.get(kwargs["tools"]) if kwargs.get("tools") else (None, ())
     if tools is not None:
         choice, callable_ = kwargs.get("tool_choice") or "auto", tools
-        if choice == "auto" and getattr(model, "auto_tools", "free") == "each_once":
+        policy = getattr(model, "auto_tools", "free")
+        if choice == "auto" and policy == "each_once":
             choice, callable_ = each_tool_once(chat, tools)
+        elif choice == "auto" and policy == "once":
+            choice = ToolChoice("auto", spent=spent_tools(chat))
         options.update(tools=callable_, tool_choice=choice, parallel_tool_calls=kwargs.get("parallel_tool_calls"))
     schema = response_schema(kwargs.get("response_format"))
     if schema is not None:

@@ -43,6 +43,8 @@ def serve(
     park_dir: Path = typer.Option(None, help="Where parked sessions' KV is written (default: a temporary folder)."),
     prefill_chunk_alone: int = typer.Option(512, min=0, help="Tokens a prefill alone on the engine decodes at once, "
                                             "preempted when another request arrives (0: chunks of 64 always)."),
+    auto_tools: str = typer.Option("free", help="tool_choice auto: free, or once (a tool called since the last user "
+                                   "message may not be called again; for small models that repeat their call)."),
     log_level: str = typer.Option("info", help="uvicorn's log level."),
 ) -> None:
     """Serve OpenAI-compatible chat completions whose sessions keep their KV cache alive."""
@@ -58,7 +60,8 @@ def serve(
                               restore_unsigned=restore_unsigned, allowed_origins=tuple(allow_origin),
                               max_tokens=max_tokens, max_body_kb=max_body_kb, max_sessions=max_sessions,
                               max_in_flight=max_in_flight, max_parked_mb=max_parked_mb, skills_dir=skills,
-                              park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None)
+                              park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None,
+                              auto_tools=auto_tools)
         run(config, log_level=log_level)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}"

@@ -54,6 +54,11 @@ class ServerConfig(BaseModel):
     and a short request beside a 2k-token prefill waits 1.2x its idle time instead of 2.3x; BENCHMARKS.md,
     "llama-server"). None: chunks of 64 always."""
 
+    auto_tools: Literal["free", "once"] = "free"
+    """How ``tool_choice="auto"`` is decoded: ``free`` (OpenAI's meaning), or ``once``: a tool called since the last
+    user message may not be called again (its result is in the prompt; ``kvagent.tools.choice.spent_tools``). For a
+    small tool-trained model that repeats its call after the result (Qwen2.5-Coder-0.5B), so an agent loop ends."""
+
     # -- who may call -------------------------------------------------------------------------------
     api_key: SecretStr | None = None
     """One key for one tenant (``default``): every request but ``GET /health`` needs ``Authorization: Bearer <key>``.

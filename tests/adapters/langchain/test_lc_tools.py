@@ -226,3 +226,56 @@ def test_recall_pages_come_in_transplanted_and_go_out_again() -> None:
     assert drop.invoke({"page": "trip-notes"}) == "memory page 'trip-notes' taken out of your context"
     assert not any(s.name == "trip-notes" for s in m.session("pages").segments)
     assert drop.invoke({"page": "trip-notes"}) == "memory page 'trip-notes' was not in your context"
+
+
+# -- the tool-trained model (its own format: calls under auto, the once decoding) -----------------------------------
+QWEN = "qwen2.5-coder-0.5b"
+AGENT_POLICY = ("You are the support agent of a shop. Use a tool when you need data; once the tool results answer the "
+                "question, reply to the customer in one sentence.")
+
+
+@pytest.fixture(scope="module")
+def qwen() -> ChatKVAgent:
+    from kvagent.errors import ModelNotFoundError
+    from kvagent.models import resolve_model
+
+    try:
+        resolve_model(QWEN)
+    except ModelNotFoundError as exc:
+        pytest.skip(f"{exc} (make setup installs it)")
+    return ChatKVAgent(model=QWEN, n_ctx=4096, n_seq_max=8, max_tokens=96)
+
+
+def test_a_tool_trained_model_calls_under_auto_invoked_and_streamed(qwen: ChatKVAgent) -> None:
+    """Under ``auto`` (what agents bind) Qwen2.5-Coder calls the tool the question needs, with valid arguments and
+    no spurious invalid call, as one message and as a stream of chunks."""
+    bound = qwen.bind_tools(TOOLS)
+    question = [HumanMessage("Where is my order A-1042?")]
+    invoked = bound.invoke(question, session_id="qwen-auto")
+    streamed: AIMessageChunk | None = None
+    for chunk in bound.stream(question, session_id="qwen-auto-stream"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None
+    for reply in (invoked, streamed):
+        assert reply.response_metadata["finish_reason"] == "tool_calls" and not reply.invalid_tool_calls
+        assert [c["name"] for c in reply.tool_calls] == ["lookup_order"] and valid(reply.tool_calls[0])
+        assert reply.content == ""
+    assert streamed.tool_calls[0]["args"] == invoked.tool_calls[0]["args"]
+
+
+@pytest.mark.full  # three model calls over a 500-token prompt
+def test_a_tool_trained_model_runs_an_agent_to_an_answer_with_once(qwen: ChatKVAgent) -> None:
+    """``create_agent`` on Qwen2.5-Coder with ``auto_tools="once"``: the order is looked up, no tool is called twice
+    for the question, and the run ends in a text answer (free, this model calls the same tool again after its result
+    until the recursion limit)."""
+    from langchain.agents import create_agent
+
+    once = ChatKVAgent(model=QWEN, n_ctx=4096, n_seq_max=8, max_tokens=96, auto_tools="once")
+    agent = create_agent(once, TOOLS, system_prompt=AGENT_POLICY)
+    out = agent.invoke({"messages": [("user", "Where is my order A-1042?")]},
+                       {"configurable": {"thread_id": "qwen-once"}, "recursion_limit": 10})
+    calls = [c["name"] for m in out["messages"] if isinstance(m, AIMessage) for c in m.tool_calls]
+    assert calls[0] == "lookup_order" and len(calls) == len(set(calls))
+    final = out["messages"][-1]
+    assert isinstance(final, AIMessage) and not final.tool_calls and not final.invalid_tool_calls
+    assert "A-1042" in str(final.content) or "ship" in str(final.content).lower()
