@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from kvagent.errors import ToolChoiceError
 from kvagent.tools import format as fmt
-from kvagent.tools.grammar import LOOSE_JSON_OPTIONS, json_grammar, json_lark, lark_grammar, lark_text
+from kvagent.tools.grammar import LOOSE_JSON_OPTIONS, LOOSE_WS, json_grammar, json_lark, lark_grammar, lark_text
 from kvagent.tools.spec import ToolSet
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_sche
     return lark_grammar(start + calls + call)
 
 
-_WS = "[\\n ]{0,16}"  # between a bare call's tokens, bounded (unbounded, a small model may write newlines on and on)
+_WS = LOOSE_WS  # between a bare call's tokens, as inside its arguments
 
 
 def callable_tools(tools: ToolSet, choice: ToolChoice) -> ToolSet:
@@ -151,13 +151,13 @@ def _bare_calls(tools: ToolSet) -> str:
     return "\n".join(rules) + "\n"
 
 
-def spent_tools(messages: Sequence[ChatMessage]) -> frozenset[str]:
-    """The tools called since the last user message (their results are in the prompt): the ``once`` decoding of
-    ``tool_choice="auto"`` (``ToolChoice(spent=...)``). Measured on Qwen2.5-Coder-0.5B-Instruct: with the template's
+def spent_tools(messages: Sequence[ChatMessage], tools: ToolSet) -> frozenset[str]:
+    """The tools of ``tools`` called since the last user message (their results are in the prompt; a call to a tool no
+    longer bound is left out): the ``once`` decoding of ``tool_choice="auto"`` (``ToolChoice(spent=...)``). Measured on Qwen2.5-Coder-0.5B-Instruct: with the template's
     own rendering of the call and its result, it writes the same call again, free as under the grammar, and an
     agent loop never ends."""
     since = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1) + 1
-    return frozenset(c.name for m in messages[since:] if m.role == "assistant" for c in m.tool_calls)
+    return frozenset(c.name for m in messages[since:] if m.role == "assistant" for c in m.tool_calls if c.name in tools)
 
 
 def each_tool_once(messages: Sequence[ChatMessage], tools: ToolSet) -> tuple[str, ToolSet]:

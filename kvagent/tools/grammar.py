@@ -32,7 +32,8 @@ KEY_SEPARATOR, ITEM_SEPARATOR = ": ", ", "
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": KEY_SEPARATOR, "item_separator": ITEM_SEPARATOR}
 # a bare-JSON call as a model writes one on its own, often pretty-printed in a fence: whitespace between tokens, bounded
 # (unbounded, a small model may write newlines until max_tokens)
-LOOSE_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": "[\\n ]{0,16}"}
+LOOSE_WS = "[\\n ]{0,16}"
+LOOSE_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": LOOSE_WS}
 _tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.RLock()  # reentrant: a tokenizer is built from the table read under it
 

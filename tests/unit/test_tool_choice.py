@@ -37,9 +37,11 @@ def call(name: str) -> ToolCall:
       ChatMessage("tool", "shipped", tool_call_id="call_lookup_order"), ChatMessage("assistant", "It shipped."),
       ChatMessage("user", "And A-2?")], set()),  # a new user message: every tool may be called again
     ([ChatMessage("system", "Be brief."), ChatMessage("assistant", "", tool_calls=(call("refund"),))], {"refund"}),
+    ([ChatMessage("user", "Cancel A-1"), ChatMessage("assistant", "", tool_calls=(call("cancel"),)),
+      ChatMessage("tool", "done", tool_call_id="call_cancel")], set()),  # a tool no longer bound is not spent
 ])
 def test_spent_tools_are_those_called_since_the_last_user_message(messages: list[ChatMessage], spent: set[str]) -> None:
-    assert spent_tools(messages) == spent
+    assert spent_tools(messages, TOOLS) == spent
 
 
 @pytest.mark.parametrize("choice, left", [

@@ -121,7 +121,7 @@ def parse_call(model: Any, messages: list[BaseMessage], stop: list[str] | None, 
         if choice == "auto" and policy == "each_once":
             choice, callable_ = each_tool_once(chat, tools)
         elif choice == "auto" and policy == "once":
-            choice = ToolChoice("auto", spent=spent_tools(chat))
+            choice = ToolChoice("auto", spent=spent_tools(chat, tools))
         options.update(tools=callable_, tool_choice=choice, parallel_tool_calls=kwargs.get("parallel_tool_calls"))
     schema = response_schema(kwargs.get("response_format"))
     if schema is not None:

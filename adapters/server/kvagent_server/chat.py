@@ -37,7 +37,6 @@ from kvagent.conversation import Cost, Plan
 from kvagent.errors import KVAgentError
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
-from kvagent.tools.choice import spent_tools
 from kvagent.openai_shape import StreamedCalls, reply_message
 
 from kvagent_server.errors import InvalidRequest, NotFound, ServerError
@@ -152,8 +151,7 @@ def count(state: ServerState, entry: Entry, gen: Generation) -> None:
 async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, request: Request) -> Response:
     messages = check_request(state, body)
     # checked, and compiled on first sight (in the tenant's own cache), before taking the session
-    tools = await turn_tools(state.tools(tenant), body,
-                             spent_tools(messages) if state.config.auto_tools == "once" else frozenset())
+    tools = await turn_tools(state.tools(tenant), body, messages if state.config.auto_tools == "once" else None)
     kind, key = session_key(body, request)
     stack = AsyncExitStack()
     entry = await stack.enter_async_context(state.sessions.use(tenant, key, kind, implicit=kind != SESSION))

@@ -133,10 +133,11 @@ def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
         raise InvalidRequest(str(exc), param="response_format.json_schema.schema", code=type(exc).__name__) from None
 
 
-async def turn_tools(cache: ToolCache, body: ChatRequest, spent: frozenset[str] = frozenset()) -> TurnTools:
+async def turn_tools(cache: ToolCache, body: ChatRequest, once: Sequence[ChatMessage] | None = None) -> TurnTools:
     """The request's tools, choice and reply schema, checked (422 naming the field) and resolved: the tool set and
-    its segments come from ``cache`` (compiled on first sight). ``spent``: tools an ``auto`` turn may not call
-    (the server's ``auto_tools="once"``). Runs before the request takes its session."""
+    its segments come from ``cache`` (compiled on first sight). ``once``: the request's messages, where ``auto`` is
+    decoded so that no tool called since the last user message is called again (the server's ``auto_tools``).
+    Runs before the request takes its session."""
     schema = response_schema(body.response_format)
     toolset: ToolSet | None = None
     segments: tuple[Segment, ...] = ()
@@ -149,10 +150,10 @@ async def turn_tools(cache: ToolCache, body: ChatRequest, spent: frozenset[str] 
     if toolset is None:
         return TurnTools(options={"response_schema": schema} if schema is not None else {})
     choice: Any = body.tool_choice if body.tool_choice is not None else "auto"
-    if choice == "auto" and spent & set(toolset.names):
-        from kvagent.tools.choice import ToolChoice
+    if choice == "auto" and once is not None:
+        from kvagent.tools.choice import ToolChoice, spent_tools
 
-        choice = ToolChoice("auto", spent=frozenset(spent & set(toolset.names)))
+        choice = ToolChoice("auto", spent=spent_tools(once, toolset))
     options: dict[str, Any] = {"tools": toolset, "tool_choice": choice,
                                "parallel_tool_calls": body.parallel_tool_calls}
     if schema is not None and choice != "required" and not isinstance(choice, dict):
