@@ -112,9 +112,15 @@ $(VENV)/.installed: pyproject.toml adapters/langchain/pyproject.toml adapters/se
 	$(BIN)/pip install --quiet --no-deps $(QWEN_PACKAGES)
 	touch $@
 
+# the chat templates llama.cpp ships for its tests (the models' own, as their GGUFs carry them), read by the
+# tool-format tests; from the same sdist as the wheel (~6 s once)
+TEMPLATES_DIR := $(HOME)/.cache/kvagent/templates/llama.cpp-$(LLAMA_VERSION)
+$(TEMPLATES_DIR): | $(BIN)/python
+	bash scripts/unpack_llama_templates.sh $(BIN)/pip $(LLAMA_VERSION) $@
+
 # the native activation-capture library; `kvagent native build` warns and exits 0 when it cannot build
 # (no compiler): captures then fall back to the Python callback
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(TEMPLATES_DIR)
 	$(BIN)/kvagent native build
 	$(BIN)/kvagent models assemble qwen2.5-coder-0.5b
 

@@ -66,18 +66,25 @@ class ChatFormat:
             one = conv(("user", _U1))
             gen_prompt = _after(conv(("user", _U1), gen=True), one)
             full = conv(("user", _U1), ("assistant", _A1), ("user", _U2), ("assistant", _A2))
-            user_close = _between(full, _U2, _A2).removesuffix(gen_prompt)
+            # read off the first exchange: a template may open the last assistant turn with more (Qwen3's empty
+            # think block), which a prompt kvagent extends never has there
+            first = _between(full, _U1, _A1)
+            user_close = first.removesuffix(gen_prompt)
             asst_close = full[full.index(_A2) + len(_A2) :]
             user_open = _between(full, _A1, _U2).removeprefix(asst_close)
-            if not gen_prompt or _between(full, _U1, _A1) != user_close + gen_prompt:
+            # an empty generation prompt is a template whose assistant turn opens right after the user's close
+            # (Mistral's ``[INST]...[/INST]``)
+            if not (gen_prompt or user_close) or not first.endswith(gen_prompt) or \
+                    not _between(full, _U2, _A2).startswith(first):
                 raise ChatTemplateError(f"the chat template of {name} does not wrap turns uniformly")
             with_sys = conv(("system", _S), ("user", _U1), ("assistant", _A1))
-            sys_to_user = _between(with_sys, _S, _U1)
+            # a template may move the system text into the last user message (Mistral-Nemo), or drop it
+            sys_to_user = _between(with_sys, _S, _U1) if _S in with_sys else ""
             if sys_to_user.endswith(user_open) and user_open:
                 sys_close = sys_to_user.removesuffix(user_open)
                 sys_open = with_sys[: with_sys.index(_S)]
                 system = RoleWrap(sys_open, sys_close)
-            else:  # no system role in this template: a system segment becomes a user message
+            else:  # no system role of its own in this template: a system segment becomes a user message
                 system = RoleWrap(user_open, user_close)
         except ChatTemplateError:
             raise

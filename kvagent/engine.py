@@ -318,8 +318,7 @@ class Engine:
         template = self.backend.chat_template
         if not template:
             return None
-        wraps = self._chat_format().user
-        found = tool_format_of(template, wraps.open, wraps.close, self.model.name)
+        found = tool_format_of(template, self._chat_format(), self.model.name)
         if found is None and "tools" in template:
             log.warning("%s: its chat template mentions tools, but kvagent cannot read a tool format from it: tools, "
                         "calls and results are written in kvagent's own %s format", self.model.name,

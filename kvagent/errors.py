@@ -71,7 +71,7 @@ class SkillStoreError(KVAgentError):
 
 
 class UnsupportedModelError(KVAgentError):
-    """The torch reference model cannot load a GGUF: unknown architecture or quantization type."""
+    """The torch transformer (kvagent.transformer) cannot load a GGUF: unknown architecture or quantization type."""
 
 
 class EvictionError(KVAgentError):

@@ -32,7 +32,7 @@ class SegmentKind(str, Enum):
 
 # Kinds that eviction must never drop by default: the instructions and the state they depend on.
 _PINNED_BY_DEFAULT = {SegmentKind.POLICY, SegmentKind.FIELD, SegmentKind.ERRATUM}
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")  # tool: a result its tool format writes as a turn of its own
 _ids = itertools.count()
 
 DEFAULT_FIELD_TEMPLATE = "{name}: {value}"
@@ -287,31 +287,34 @@ class Renderer:
         self._tok = tokenizer
         self.chat_format = chat_format
         self.tools = tools  # how tools, calls and results are written (kvagent.tools.format.format_of reads it)
-        self._memo: dict[tuple[str, str, bool, bool, bool], tuple[int, ...]] = {}
+        self._memo: dict[tuple[str, str, bool, bool, bool, str | None], tuple[int, ...]] = {}
         self._max_memo = max_memo
 
-    def segment_tokens(self, seg: Segment) -> tuple[int, ...]:
-        """Token ids of one segment: open tag, body, closing tag (none while unfinished)."""
+    def segment_tokens(self, seg: Segment, opening: str | None = None) -> tuple[int, ...]:
+        """Token ids of one segment: open tag (``opening`` in place of its role's), body, closing tag (none while
+        unfinished)."""
         if seg.token_ids is not None:
             n_vocab = getattr(self._tok, "n_vocab", None)
             if seg.token_ids and n_vocab is not None and not 0 <= min(seg.token_ids) <= max(seg.token_ids) < n_vocab:
                 bad = next(t for t in seg.token_ids if not 0 <= t < n_vocab)
                 raise SegmentOrderError(f"segment {seg.id!r}: token id {bad} is outside the vocabulary (0..{n_vocab - 1}); "
                                         "give the segment's text instead")
-            return self._wrap(seg, seg.token_ids)
-        key = (seg.role, seg.text, seg.complete, seg.opens, seg.closes)
+            return self._wrap(seg, seg.token_ids, opening)
+        key = (seg.role, seg.text, seg.complete, seg.opens, seg.closes, opening)
         ids = self._memo.get(key)
         if ids is None:
-            ids = self._wrap(seg, self._tok.tokenize(seg.text, special=False))
+            ids = self._wrap(seg, self._tok.tokenize(seg.text, special=False), opening)
             if len(self._memo) >= self._max_memo:
                 self._memo.clear()
             self._memo[key] = ids
         return ids
 
-    def _wrap(self, seg: Segment, body: Sequence[int]) -> tuple[int, ...]:
+    def _wrap(self, seg: Segment, body: Sequence[int], opening: str | None = None) -> tuple[int, ...]:
         fmt = self.chat_format
-        opening = fmt.generation_prompt if (seg.role == "assistant") else fmt.wrap(seg.role).open
-        closing = fmt.wrap(seg.role).close if seg.complete and seg.closes else ""
+        wrap = self.tools.result_wrap() if seg.role == "tool" and self.tools is not None else fmt.wrap(seg.role)
+        if opening is None:
+            opening = fmt.generation_prompt if (seg.role == "assistant") else wrap.open
+        closing = wrap.close if seg.complete and seg.closes else ""
         opening = opening if seg.opens else ""
         return (*self._special(opening), *body, *self._special(closing))
 
@@ -329,14 +332,16 @@ class Renderer:
         prompt has no system message)."""
         if not segments:
             raise SegmentOrderError("a prompt needs at least one segment")
+        system_open = None  # where the template opens the system message otherwise when tools are bound
         if self.tools is not None:  # a tool block that continues the system message is joined to it (idempotent)
             segments = self.tools.attach(segments)
+            system_open = self.tools.opening_with(segments)
         validate_order(segments)
         tokens: list[int] = list(self._tok.bos_ids)
         spans: list[Span] = []
-        for seg in segments:
+        for i, seg in enumerate(segments):
             first = 0 if not spans else len(tokens)  # BOS belongs to the first span
-            tokens.extend(self.segment_tokens(seg))
+            tokens.extend(self.segment_tokens(seg, system_open if i == 0 and seg.role == "system" else None))
             if len(tokens) - 1 < first and seg.complete:
                 raise SegmentOrderError(f"segment {seg.id!r} renders to no tokens; give it some text")
             # an unfinished turn may be empty (plain text has no generation prompt): an empty span

@@ -199,11 +199,11 @@ class Session:
         """What ``kv.rebase`` decides with for this session: the model's calibration (``recompute_because``), the
         spans a resend may not edit in place (``frozen``: an assistant turn that called tools), the policy's bounds."""
         by_id = {seg.id: seg for seg in self._segments}
-        opener = format_of(self.renderer).call_open.strip()
+        tool_format = format_of(self.renderer)
 
         def frozen(span: Span) -> str | None:
             seg = by_id.get(span.segment_id)
-            if seg is not None and seg.role == "assistant" and opener in seg.text:
+            if seg is not None and seg.role == "assistant" and tool_format.writes_calls(seg.text):
                 return "a change inside an assistant turn that called tools (its calls are the model's own tokens)"
             return None
 

@@ -67,6 +67,6 @@ def reference(engine: Any) -> Any:
     """The torch reference model on the same GGUF as ``engine`` (skipped without the torch extra)."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
-    from kvagent.reference.model import ReferenceModel
+    from kvagent.transformer.model import Transformer
 
-    return ReferenceModel.load(engine.model.path)
+    return Transformer.load(engine.model.path)

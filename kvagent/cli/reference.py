@@ -30,13 +30,13 @@ def reference_check(
     from kvagent.models import resolve_model
     from kvagent.reference.check import MIN_COSINE, MIN_TOP1, compare, prose_prompts
     from kvagent.reference.export import export_f32
-    from kvagent.reference.model import ReferenceModel
+    from kvagent.transformer.model import Transformer
 
     results = []
     for name in model_names(model):
         try:
             with console.status(f"{name}: loading the reference"):
-                ref = ReferenceModel.load(resolve_model(name).path)
+                ref = Transformer.load(resolve_model(name).path)
             targets = [name]
             if f32:
                 with console.status(f"{name}: writing its float32 copy"):

@@ -27,16 +27,16 @@ log = logging.getLogger(__name__)
 
 @lru_cache(maxsize=4)
 def last_layer_model(path: Path) -> object:
-    """A :class:`~kvagent.reference.model.ReferenceModel` holding only the last block (cached per file)."""
-    from kvagent.reference.model import ReferenceModel
+    """A :class:`~kvagent.transformer.model.Transformer` holding only the last block (cached per file)."""
+    from kvagent.transformer.model import Transformer
 
-    return ReferenceModel.load(path, layers=[-1])
+    return Transformer.load(path, layers=[-1])
 
 
 @lru_cache(maxsize=8)
 def model_args(path: Path) -> object:
-    """The model's :class:`~kvagent.reference.weights.ModelArgs` (read from the GGUF, no weights; cached per file)."""
-    from kvagent.reference.weights import load_weights
+    """The model's :class:`~kvagent.transformer.weights.ModelArgs` (read from the GGUF, no weights; cached per file)."""
+    from kvagent.transformer.weights import load_weights
 
     return load_weights(path, layers=[], with_embeddings=False).args
 
@@ -99,7 +99,7 @@ def attention(path: Path, hidden: np.ndarray, positions: np.ndarray, queries: np
     """Causal last-layer attention of the rows ``queries`` (indices) over all rows: ``[heads, q, n]``."""
     import torch
 
-    from kvagent.reference.model import causal_mask
+    from kvagent.transformer.model import causal_mask
 
     model = last_layer_model(Path(path))
     block = model.blocks[model.args.n_layer - 1]

@@ -43,9 +43,9 @@ REDUCES = ("max", "mean")
 
 @lru_cache(maxsize=4)
 def _blocks(path: Path, layers: tuple[int, ...]) -> object:
-    from kvagent.reference.model import ReferenceModel
+    from kvagent.transformer.model import Transformer
 
-    return ReferenceModel.load(path, layers=list(layers))
+    return Transformer.load(path, layers=list(layers))
 
 
 def spread_layers(n_layer: int, swa: tuple[bool, ...], count: int) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ the original positions. As in the paper, the logit of ``x_i`` is the monotone pr
 
 - :class:`FastSurprise`: the paper's single-layer approximation. The penultimate hidden states
   H^(L-1) captured from llama.cpp's decode feed the last layer only (O(n^2) instead of O(L n^2)).
-- :class:`FullSurprise`: every layer, on the torch reference model. It keeps a mirror of the session's
+- :class:`FullSurprise`: every layer, on the torch transformer (:mod:`kvagent.transformer`). It keeps a mirror of the session's
   cache (``[layers, kv_heads, n, head_dim]``, extended with the tokens decoded since the last cycle,
   then pruned like the real one), because llama.cpp does not expose its KV tensors (and keeps only a
   window of the sliding-window layers' state).
@@ -49,7 +49,7 @@ class FastSurprise(EvictionPolicy):
 
 
 class FullSurprise(EvictionPolicy):
-    """Counter-causal surprise through all layers of the torch reference model (the paper's full pass),
+    """Counter-causal surprise through all layers of the torch transformer (the paper's full pass),
     with the same ``query`` / ``proxy`` choices as :class:`FastSurprise`."""
 
     name = "surprise-full"
@@ -58,14 +58,14 @@ class FullSurprise(EvictionPolicy):
         self.query, self.proxy = query, proxy
         self._model: object | None = None
         self._path: Path | None = None
-        self._mirror: object | None = None  # reference.model.KVCache of the kept cells
+        self._mirror: object | None = None  # transformer.model.KVCache of the kept cells
         self._tokens: list[int] = []  # the token of each mirror cell
 
     def _load(self, path: Path) -> object:
-        from kvagent.reference.model import KVCache, ReferenceModel
+        from kvagent.transformer.model import KVCache, Transformer
 
         if self._model is None or self._path != path:
-            self._model, self._path = ReferenceModel.load(path), path
+            self._model, self._path = Transformer.load(path), path
             self._mirror = KVCache.empty(self._model.args)  # type: ignore[attr-defined]
         return self._model
 

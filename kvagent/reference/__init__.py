@@ -1,5 +1,4 @@
-"""The torch reference model (oracle): same GGUF weights, explicit KV cache, masks and probes.
-
-torch is an optional extra (``pip install torch==2.13.0 'kvagent[torch]'``); see ``kvagent/__init__``
-for the OpenMP wait policy set before torch loads.
+"""The torch oracle: :mod:`kvagent.transformer` checked against llama.cpp on the same GGUF (:mod:`.check`), and a
+float32 export that takes llama.cpp's quantization out of a comparison (:mod:`.export`). For tests, benchmarks
+and ``kvagent reference``; product code runs :mod:`kvagent.transformer` itself.
 """

@@ -20,7 +20,7 @@ from kvagent.data import load_prose
 
 if TYPE_CHECKING:
     from kvagent.engine import Engine
-    from kvagent.reference.model import ReferenceModel
+    from kvagent.transformer.model import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a64 * b64).sum(1) / (np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1))
 
 
-def compare(engine: Engine, reference: ReferenceModel, prompts: list[list[int]]) -> Agreement:
+def compare(engine: Engine, reference: Transformer, prompts: list[list[int]]) -> Agreement:
     """Decode each prompt with both engines (llama.cpp in a scratch sequence) and compare logits."""
     import torch
 

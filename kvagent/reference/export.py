@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvagent.models import ModelRef, cache_dir
-from kvagent.reference.weights import dequantize
+from kvagent.transformer.weights import dequantize
 
 log = logging.getLogger(__name__)
 

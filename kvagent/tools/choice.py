@@ -87,13 +87,16 @@ def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_sche
         return lark_text(backend, text) if backend is not None else json.dumps(text)
 
     f = tool_format
-    call = (f"call: {literal(f.call_open)} json {literal(f.call_close)}\n"
-            f"json: {json_lark(fmt.call_schema(called))}\n")
-    calls = f"calls: call ({literal(f.call_separator)} call)*\n" if choice.parallel else "calls: call\n"
+    json_rule = f"json: {json_lark(fmt.call_schema(called, f.arguments_key))}\n"
+    # a format of bare calls (Llama-3.x) writes the call object alone
+    call = (f"call: {literal(f.call_open)} json {literal(f.call_close)}\n" if f.tagged else "call: json\n") + json_rule
+    separator = literal(f.call_separator) if f.call_separator else '" "'
+    calls = f"calls: call ({separator} call)*\n" if choice.parallel and not f.single_call else "calls: call\n"
     if choice.mode == "auto" and response_schema is not None:
         start = f"start: reply | calls\nreply: {json_lark(response_schema)}\n"
-    elif choice.mode == "auto" and f.untagged:
-        start = f"start: TEXT | calls | bare\n{_text(tools, choice)}\n{_bare_calls(called)}"
+    elif choice.mode == "auto" and f.untagged:  # a format of bare calls has them as ``bare`` only
+        start = (f"start: TEXT | {'calls | ' if f.tagged else ''}bare\n{_text(tools, choice)}\n"
+                 f"{_bare_calls(called)}")
     elif choice.mode == "auto":  # a text answer cannot start with "<" (the call's first character)
         start = "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n"
     else:

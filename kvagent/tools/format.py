@@ -29,7 +29,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from kvagent.errors import ToolCallError
+from kvagent.chat_format import RoleWrap
+from kvagent.errors import SegmentOrderError, ToolCallError
 from kvagent.segments import Segment, SegmentKind
 from kvagent.tools.grammar import ITEM_SEPARATOR, KEY_SEPARATOR
 from kvagent.tools.spec import ToolSet, ToolSpec
@@ -61,15 +62,16 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(ITEM_SEPARATOR, KEY_SEPARATOR))
 
 
-def call_schema(tools: ToolSet) -> dict[str, Any]:
-    """The JSON schema of one call to one of ``tools``: ``{"name": <const>, "arguments": <its parameters>}``. An
+def call_schema(tools: ToolSet, arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call to one of ``tools``: ``{"name": <const>, "arguments": <its parameters>}`` (the
+    arguments under ``arguments_key``: Llama-3.x's templates write ``"parameters"``). An
     arguments object that does not say otherwise takes no keys beyond its properties (``additionalProperties:
     false``, as OpenAI's strict mode): measured on both shipped models, an open object makes them append
     schema-like keys until ``max_tokens`` (the grammar closes nested objects too: :func:`grammar.closed_objects`)."""
     return {"anyOf": [{
         "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": {"additionalProperties": False, **dict(t.parameters)}},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": t.name}, arguments_key: {"additionalProperties": False, **dict(t.parameters)}},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
     } for t in tools]}
 
@@ -91,15 +93,21 @@ class ToolFormat:
 
     Tools: ``header`` text, then per tool ``tool_open + <its JSON> + tool_close``, then ``footer``; ``inline``: they
     continue the system message before them (that message is kept open, :meth:`attach`), else ``header`` and each
-    tool are system messages of their own. ``default_system``: the system text the template writes when a prompt
-    has none (an inline block needs a system message to continue). ``wrap_tool``: the tool's JSON is OpenAI's
-    ``{"type": "function", "function": ...}`` (as templates are given tools), else :func:`describe`'s flat object.
-    Calls: ``call_open + {"name": ..., "arguments": ...} + call_close``, several joined by ``call_separator``.
-    Results: a user turn ``result_open + content + result_close`` (``result_attrs``: the open tag names the tool
-    and the call, kvagent's own format); consecutive results share one user message, joined by
-    ``result_separator``. ``untagged``: read a reply that is only a bare-JSON call as that call. ``transplant``: the
-    tools are SKILL segments (compiled once, transplanted), else prefilled where they stand (MEMORY segments: the
-    template formats, see :mod:`kvagent.tools.template`)."""
+    tool are system messages of their own; ``in_user``: they open the first user message, which continues them
+    (Llama-3.x). ``default_system``: the system text the template writes when a prompt has none (an inline block
+    needs a system message to continue). ``system_open``: the system message's opening when tools are bound, where
+    the template writes another one then (Llama-3.x's ``Environment: ipython``; the renderer uses it). ``wrap_tool``:
+    the tool's JSON is OpenAI's ``{"type": "function", "function": ...}`` (as templates are given tools), else
+    :func:`describe`'s flat object; ``tool_indent``: its ``tojson`` indent.
+    Calls: ``call_open + {"name": ..., "arguments": ...} + call_close`` (the arguments under ``arguments_key``), several
+    joined by ``call_separator``; no ``call_open``: calls are bare JSON only (Llama-3.x); ``single_call``: the
+    template takes one call per turn. Results: a user turn ``result_open + content + result_close`` (``result_attrs``:
+    the open tag names the tool and the call, kvagent's own format); consecutive results share one user message,
+    joined by ``result_separator``; ``result_turn``: a result is a turn of its own role, whose wrappers
+    ``result_open``/``result_close`` hold (Llama-3.x's ``ipython``), ``result_json``: its content written as a JSON
+    string. ``untagged``: read a reply that is only a bare-JSON call as that call. ``transplant``: the tools are SKILL
+    segments (compiled once, transplanted), else prefilled where they stand (MEMORY segments: the template formats,
+    see :mod:`kvagent.tools.template`)."""
 
     name: str
     header: str
@@ -118,33 +126,53 @@ class ToolFormat:
     result_attrs: bool = False
     untagged: bool = False
     transplant: bool = True
+    in_user: bool = False
+    system_open: str | None = None
+    tool_indent: int | None = None
+    arguments_key: str = "arguments"
+    single_call: bool = False
+    result_turn: bool = False
+    result_json: bool = False
+
+    @property
+    def tagged(self) -> bool:
+        """Whether a call opens with a tag (else calls are bare JSON, read by :meth:`untagged_calls`)."""
+        return bool(self.call_open.strip())
 
     # -- tools ------------------------------------------------------------------------------------
     def tool_json(self, tool: ToolSpec) -> str:
         if self.wrap_tool:
-            return json.dumps(openai_tool(tool), ensure_ascii=False)  # as the template's ``tojson`` writes it
+            # as the template's ``tojson`` writes it
+            return json.dumps(openai_tool(tool), ensure_ascii=False, indent=self.tool_indent)
         return describe(tool)
 
     def segments(self, tools: ToolSet) -> list[Segment]:
-        """The instructions, one SKILL segment per tool and (inline) the closing text."""
+        """The instructions, one SKILL segment per tool and (inline) the closing text; ``in_user``: user-role parts
+        that open a user message and leave it open for the first user turn (:meth:`attach`)."""
         if not tools:
             return []
-        more: dict[str, Any] = {"opens": False, "closes": False} if self.inline else {}
+        more: dict[str, Any] = {"opens": False, "closes": False} if self.inline or self.in_user else {}
+        if self.in_user:
+            more["role"] = "user"
         if not self.transplant:
             more["kind"] = SegmentKind.MEMORY
-        out = [replace(Segment.skill("tools", self.header, id=TOOLS_ID), **more),
+        first = {**more, "opens": False} if self.inline else {**more, "opens": True} if self.in_user else more
+        out = [replace(Segment.skill("tools", self.header, id=TOOLS_ID), **first),
                *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_open}{self.tool_json(t)}{self.tool_close}",
                                        id=f"tool-{t.name}"), **more) for t in tools)]
         if self.footer:
-            out.append(replace(Segment.skill("tools-end", self.footer, id="tools-end"), **{**more, "closes": True}))
+            out.append(replace(Segment.skill("tools-end", self.footer, id="tools-end"),
+                               **{**more, "closes": not self.in_user}))
         return out
 
     def attach(self, segments: Sequence[Segment]) -> list[Segment]:
         """``segments`` with an inline tool block joined to the system message before it: that message left open
         (it closes after the block), or, where no system message precedes the block, the template's default system
-        text opening it (a POLICY at the front, a MEMORY elsewhere). Idempotent; other prompts are returned as
-        they are."""
+        text opening it (a POLICY at the front, a MEMORY elsewhere); an ``in_user`` block continued by the first user
+        turn after it (closed where none follows). Idempotent; other prompts are returned as they are."""
         out = list(segments)
+        if self.in_user:
+            return _join_user(out)
         at = next((i for i, s in enumerate(out) if s.id == TOOLS_ID and not s.opens), None)
         if at is None:
             return out
@@ -158,15 +186,37 @@ class ToolFormat:
         out.insert(at, Segment(kind, self.default_system, id="tools-system", closes=False))
         return out
 
+    def opening_with(self, segments: Sequence[Segment]) -> str | None:
+        """The opening of a prompt's leading system message where tools change it (:attr:`system_open`: the prompt
+        binds tools), else None: its role's own."""
+        if self.system_open is None or not any(s.id == TOOLS_ID for s in segments):
+            return None
+        return self.system_open
+
+    def result_wrap(self) -> RoleWrap:
+        """The wrappers of a ``tool``-role segment: a result that is a turn of its own (:attr:`result_turn`)."""
+        if not self.result_turn:
+            raise SegmentOrderError(f"the {self.name} format writes tool results in user turns, not as tool-role "
+                                    "segments: build them with ToolFormat.result_segment")
+        return RoleWrap(self.result_open, self.result_close)
+
     # -- calls ------------------------------------------------------------------------------------
     def render_calls(self, calls: Sequence[ToolCall]) -> str:
         """The text of an assistant turn that makes ``calls`` (what the grammar lets the model write)."""
         return self.call_separator.join(
-            f"{self.call_open}{dumps({'name': c.name, 'arguments': dict(c.arguments)})}{self.call_close}" for c in calls)
+            f"{self.call_open}{dumps({'name': c.name, self.arguments_key: dict(c.arguments)})}{self.call_close}"
+            for c in calls)
 
     def starts_call(self, text: str) -> bool:
-        """Whether a reply opens with a call (a text reply never does under the turn's grammar)."""
-        return text.lstrip().startswith(self.call_open.strip())
+        """Whether a reply opens with a tagged call (a text reply never does under the turn's grammar; a format of
+        bare calls has none: :meth:`untagged_calls` reads those)."""
+        return self.tagged and text.lstrip().startswith(self.call_open.strip())
+
+    def writes_calls(self, text: str) -> bool:
+        """Whether an assistant turn's text holds calls written in this format (a tag, or a bare call's opening)."""
+        if self.tagged:
+            return self.call_open.strip() in text
+        return text.lstrip().startswith('{"name"')
 
     def parse_calls(self, text: str, tools: ToolSet | None = None, *, complete: bool = True) -> list[ToolCall]:
         """The calls in an assistant turn's text (none: a text answer); ``complete=False`` (the turn was cut by
@@ -201,7 +251,7 @@ class ToolFormat:
         (prose, JSON with other keys or naming an unbound tool) is no call: an ordinary JSON reply stays text."""
         if not self.untagged or not tools:
             return []
-        body = text.strip()
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
         fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.S)
         if fenced:
             body = fenced.group(1)
@@ -235,10 +285,34 @@ class ToolFormat:
                        then_result: bool = False) -> Segment:
         """A tool's result as the turn after the call (a user turn; ``then_result``: another result follows in the
         same message, where the format joins them). The content is written as it is."""
+        if self.result_turn:  # a turn of its own role, wrapped as :meth:`result_wrap` says
+            body = json.dumps(content, ensure_ascii=False) if self.result_json else content
+            return Segment(SegmentKind.TURN, body, role="tool", **({"id": id} if id else {}))
         text = self.result_text(name, call_id, content)
         joined = then_result and self.result_separator is not None
         seg = Segment.user(text + (self.result_separator if joined else ""), **({"id": id} if id else {}))
         return replace(seg, opens=opens, closes=not joined)
+
+
+PYTHON_TAG = "<|python_tag|>"
+"""What Llama-3.x models write before a call to a built-in tool (and some before any call): read past it."""
+
+
+def _join_user(segments: list[Segment]) -> list[Segment]:
+    """An ``in_user`` tool block continued by the user turn right after it (the template writes the tools at the
+    start of the first user message), or closed where the prompt goes on otherwise or ends there."""
+    block = [i for i, s in enumerate(segments) if s.role == "user" and s.kind is not SegmentKind.TURN
+             and (s.id == TOOLS_ID or s.id.startswith("tool-") or s.id == "tools-end")]
+    if not block:
+        return segments
+    last = block[-1]
+    after = segments[last + 1] if last + 1 < len(segments) else None
+    if after is not None and after.role == "user" and after.kind is SegmentKind.TURN:
+        segments[last] = replace(segments[last], closes=False)
+        segments[last + 1] = replace(after, opens=False)
+    else:
+        segments[last] = replace(segments[last], closes=True)
+    return segments
 
 
 def _skip_space(text: str, at: int) -> int:

@@ -37,7 +37,8 @@ class CallSplitter:
 
     def __init__(self, tool_format: ToolFormat = HERMES) -> None:
         self.format = tool_format
-        self._head = re.compile(re.escape(tool_format.call_open) + r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+        self._head = re.compile(re.escape(tool_format.call_open) + r'\{"name": "((?:[^"\\]|\\.)*)", "'
+                                + re.escape(tool_format.arguments_key) + '": ')
         self._tail = "}" + tool_format.call_close  # after the arguments object: the call object's brace, then the tag
         self.mode: str | None = None  # "text", "calls" or "held" (maybe bare-JSON calls), once the start is known
         self._buffer = ""  # call mode: text not yet turned into deltas
@@ -49,10 +50,10 @@ class CallSplitter:
         if self.mode is None:
             start = (self._buffer + piece).lstrip()
             opener = self.format.call_open.strip()
-            if not start or opener.startswith(start[: len(opener)]) and len(start) < len(opener):
+            if not start or opener and opener.startswith(start[: len(opener)]) and len(start) < len(opener):
                 self._buffer += piece
                 return "", []
-            if start.startswith(opener):
+            if opener and start.startswith(opener):
                 self.mode = "calls"
             elif self.format.untagged and start[0] in "{[`":
                 self.mode = "held"

@@ -22,6 +22,7 @@ import json
 import logging
 from typing import Any
 
+from kvagent.chat_format import ChatFormat
 from kvagent.tools.format import ToolFormat
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,9 @@ _CALLS = [{"id": f"call_kva{i}", "type": "function", "function": {"name": f"kvaf
     f"kvarg{i}x": f"KVAVAL{i}X"}}} for i in (1, 2)]
 
 
-def tool_format_of(template: str, user_open: str, user_close: str, name: str = "model") -> ToolFormat | None:
+def tool_format_of(template: str, chat: ChatFormat, name: str = "model") -> ToolFormat | None:
     """The tool format ``template`` renders, or None where it has none kvagent can read (see the module).
-    ``user_open``/``user_close``: the chat format's user message tags (a result is a user turn)."""
+    ``chat``: the role wrappers read off the same template (:meth:`ChatFormat.from_template`)."""
     from kvagent.chat_format import compile_template
 
     try:
@@ -50,79 +51,126 @@ def tool_format_of(template: str, user_open: str, user_close: str, name: str = "
                                    eos_token=""))
 
     try:
-        return _read(render, user_open, user_close)
+        return _read(render, chat)
     except Exception as exc:  # a template that renders tools some other way, or refuses these conversations
         log.debug("%s: no tool format read from the chat template (%s)", name, exc)
         return None
 
 
-def _read(render: Any, user_open: str, user_close: str) -> ToolFormat | None:
+def _read(render: Any, chat: ChatFormat) -> ToolFormat | None:
+    user_open, user_close, asst_close = chat.user.open, chat.user.close, chat.assistant.close
     system, user = {"role": "system", "content": _SYS}, {"role": "user", "content": _USER}
-    one, two = (json.dumps(t, ensure_ascii=False) for t in _TOOLS)
     with_tools = render([system, user], _TOOLS)
-    if one not in with_tools or two not in with_tools:
+    indent = next((i for i in (None, 4, 2) if all(json.dumps(t, ensure_ascii=False, indent=i) in with_tools
+                                                   for t in _TOOLS)), -1)
+    if indent == -1:
         return None  # tools not written as their JSON: not a shape kvagent reads
+    one, two = (json.dumps(t, ensure_ascii=False, indent=indent) for t in _TOOLS)
     plain = render([system, user], None)
-    sys_open = plain[: plain.index(_SYS)]
+    if _SYS not in with_tools or _SYS not in plain:
+        return None
+    sys_open, sys_open_tools = plain[: plain.index(_SYS)], with_tools[: with_tools.index(_SYS)]
     sys_close_and_user = plain[plain.index(_SYS) + len(_SYS): plain.index(_USER)]
-    if not with_tools.startswith(sys_open + _SYS) or with_tools.index(one) > with_tools.index(_USER):
-        return None  # the tools are not in the system message (Llama-3.1 and Mistral put them in a user message)
-    block = with_tools[len(sys_open) + len(_SYS): with_tools.index(_USER)]
+    after_sys = with_tools[with_tools.index(_SYS) + len(_SYS): with_tools.index(_USER)]
+    in_user = after_sys.startswith(sys_close_and_user) and one in after_sys  # the tools open the user message
+    if in_user:
+        if not sys_close_and_user.endswith(user_open) or not user_open:
+            return None
+        block = after_sys[len(sys_close_and_user):]
+    elif sys_open_tools == sys_open and one in after_sys:  # the tools continue the system message
+        block = after_sys
+    else:
+        return None  # elsewhere (a message of their own, or before the last user message as Mistral's templates)
     header = block[: block.index(one)]
     between = block[block.index(one) + len(one): block.index(two)]
     after = block[block.index(two) + len(two):]
-    if not after.endswith(sys_close_and_user) or not after.startswith(between):
+    if not after.startswith(between):
         return None
-    footer = after[len(between): len(after) - len(sys_close_and_user)]
-    # the default system text, where a prompt has none: the block follows it
-    bare = render([user], _TOOLS)
-    default_system = bare[len(sys_open): bare.index(header)] if bare.startswith(sys_open) and header in bare else ""
-
-    gen = render([system, user], _TOOLS, gen=True)
-    made = render([system, user, {"role": "assistant", "content": "", "tool_calls": _CALLS[:1]}], _TOOLS)
-    both = render([system, user, {"role": "assistant", "content": "", "tool_calls": _CALLS}], _TOOLS)
-    body1, body2 = (json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                               ensure_ascii=False) for c in _CALLS)
-    if not made.startswith(gen) or not both.startswith(gen) or body1 not in made or body2 not in both:
-        return None  # calls not written as {"name": ..., "arguments": ...} after the generation prompt
-    turn, turn2 = made[len(gen):], both[len(gen):]
-    call_open = turn[: turn.index(body1)]
-    ending = turn[turn.index(body1) + len(body1):]  # the call's closing text, then the assistant message's
-    second = turn2.index(body2)
-    if not call_open.strip() or turn2[second - len(call_open): second] != call_open or not turn2.endswith(ending):
-        return None  # untagged calls, or a second call not written as the first
-    separated = turn2[turn2.index(body1) + len(body1): second - len(call_open)]  # close + separator
-    call_close = separated[: _common_prefix(separated, ending)]
-    call_separator = separated[len(call_close):]
-    if not call_close.strip():
-        return None
-
-    asked = [system, user, {"role": "assistant", "content": "", "tool_calls": _CALLS}]
-    result1 = {"role": "tool", "tool_call_id": "call_kva1", "name": "kvafn1x", "content": _RES1}
-    result2 = {"role": "tool", "tool_call_id": "call_kva2", "name": "kvafn2x", "content": _RES2}
-    one_result, two_results = render([*asked, result1], _TOOLS), render([*asked, result1, result2], _TOOLS)
-    if not one_result.startswith(both) or not two_results.startswith(both):
-        return None
-    message = one_result[len(both):]
-    if not message.startswith(user_open) or not message.endswith(user_close):
-        return None  # results are not user turns of this chat format
-    result_open = message[len(user_open): message.index(_RES1)]
-    result_close = message[message.index(_RES1) + len(_RES1): len(message) - len(user_close)]
-    joined = two_results[len(both):]
-    between_results = joined[joined.index(_RES1) + len(_RES1): joined.index(_RES2)]
-    separate = result_close + user_close + user_open + result_open
-    if between_results == separate:
-        result_separator = None
-    elif between_results.startswith(result_close) and between_results.endswith(result_open):
-        result_separator = between_results[len(result_close): len(between_results) - len(result_open)]
+    if in_user:
+        footer = after[len(between):]
+    elif after.endswith(sys_close_and_user):
+        footer = after[len(between): len(after) - len(sys_close_and_user)]
     else:
         return None
+    default_system = ""
+    if not in_user:  # the default system text, where a prompt has none: the block follows it
+        bare = render([user], _TOOLS)
+        default_system = bare[len(sys_open): bare.index(header)] if bare.startswith(sys_open) and header in bare else ""
+
+    # calls and results read off conversations whose call turn is followed by its results: a template may open
+    # the last assistant turn with more (Qwen3's empty think block), which a call turn followed by results has not
+    gen = render([system, user], _TOOLS, gen=True)
+    result1 = {"role": "tool", "tool_call_id": "call_kva1", "name": "kvafn1x", "content": _RES1}
+    result2 = {"role": "tool", "tool_call_id": "call_kva2", "name": "kvafn2x", "content": _RES2}
+
+    def answered(calls: list[dict[str, Any]], results: list[dict[str, Any]]) -> tuple[str, str]:
+        """(the call turn after the generation prompt, closed; the results' text after it)"""
+        text = render([system, user, {"role": "assistant", "content": "", "tool_calls": calls}, *results], _TOOLS)
+        if not asst_close or not text.startswith(gen):
+            raise ValueError("the call turn does not follow the generation prompt")
+        last = calls[-1]["function"]
+        cut = text.index(asst_close, text.index(json.dumps(last["arguments"], ensure_ascii=False), len(gen)))
+        return text[len(gen): cut + len(asst_close)], text[cut + len(asst_close):]
+
+    turn, message = answered(_CALLS[:1], [result1])
+    try:
+        turn2, _ = answered(_CALLS, [result1])
+        _, joined = answered(_CALLS, [result1, result2])
+    except Exception:  # the template refuses two calls in a turn (Llama-3.x)
+        turn2 = joined = None
+    key = next((k for k in ("arguments", "parameters") if _body(_CALLS[0], k) in turn), None)
+    if key is None:
+        return None  # calls not written as {"name": ..., "arguments": ...} after the generation prompt
+    body1, body2 = _body(_CALLS[0], key), _body(_CALLS[1], key)
+    call_open = turn[: turn.index(body1)]
+    ending = turn[turn.index(body1) + len(body1):]  # the call's closing text, then the assistant message's
+    if turn2 is None:
+        call_close, call_separator = ending[: len(ending) - len(asst_close)], ""
+    else:
+        second = turn2.index(body2) if body2 in turn2 else -1
+        if second < 0 or turn2[second - len(call_open): second] != call_open or not turn2.endswith(ending):
+            return None  # a second call not written as the first
+        separated = turn2[turn2.index(body1) + len(body1): second - len(call_open)]  # close + separator
+        call_close = separated[: _common_prefix(separated, ending)]
+        call_separator = separated[len(call_close):]
+    if bool(call_open.strip()) != bool(call_close.strip()):
+        return None  # a call opened and not closed by tags (or the other way round): not a shape kvagent reads
+
+    result_turn = result_json = False
+    if message.startswith(user_open) and message.endswith(user_close) and _RES1 in message:
+        result_open = message[len(user_open): message.index(_RES1)]
+        result_close = message[message.index(_RES1) + len(_RES1): len(message) - len(user_close)]
+    else:  # a turn of its own role (Llama-3.x's ``ipython``), its content maybe written as JSON
+        result_turn, content = True, _RES1
+        if json.dumps(_RES1) in message:
+            result_json, content = True, json.dumps(_RES1)
+        if content not in message:
+            return None
+        result_open = message[: message.index(content)]
+        result_close = message[message.index(content) + len(content):]
+        if not result_close.endswith(asst_close) and not result_close.strip():
+            return None
+    result_separator = None
+    if joined is not None and not result_turn:
+        between_results = joined[joined.index(_RES1) + len(_RES1): joined.index(_RES2)]
+        separate = result_close + user_close + user_open + result_open
+        if between_results != separate:
+            if not (between_results.startswith(result_close) and between_results.endswith(result_open)):
+                return None
+            result_separator = between_results[len(result_close): len(between_results) - len(result_open)]
     return ToolFormat(
         "the model's chat template", header=header, tool_open="", tool_close=between, footer=footer,
         call_open=call_open, call_close=call_close, call_separator=call_separator, result_open=result_open,
-        result_close=result_close, result_separator=result_separator, inline=True, default_system=default_system,
-        wrap_tool=True, untagged=True, transplant=False,
+        result_close=result_close, result_separator=result_separator, inline=not in_user,
+        default_system=default_system, wrap_tool=True, untagged=True, transplant=False, in_user=in_user,
+        system_open=sys_open_tools if sys_open_tools != sys_open else None, tool_indent=indent,
+        arguments_key=key, single_call=turn2 is None, result_turn=result_turn, result_json=result_json,
     )
+
+
+def _body(call: dict[str, Any], key: str) -> str:
+    """A call's JSON as templates write it: ``{"name": ..., <key>: <arguments>}``."""
+    return json.dumps({"name": call["function"]["name"], key: call["function"]["arguments"]}, ensure_ascii=False)
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -20,16 +20,9 @@ from kvagent.skills.fidelity import logit_cosine
 from kvagent.tools import ToolCall, ToolSet
 from kvagent.tools.format import HERMES, ToolFormat, attach, format_of, openai_tool
 from kvagent.tools.stream import CallSplitter
+from tests.tool_cases import TOOLS, family_template
 
 QWEN = "qwen2.5-coder-0.5b"
-TOOLS = ToolSet([
-    {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city.",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                     "required": ["city"]}}},
-    {"type": "function", "function": {"name": "lookup_order", "description": "Look up an order by its id.",
-                                      "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
-                                                     "required": ["order_id"]}}},
-])
 POLICY = "You are the support agent of Northwind Outdoor. Be brief."
 
 
@@ -233,6 +226,41 @@ def test_once_a_tool_is_spent_the_reply_neither_calls_it_nor_writes_a_call_as_te
 
     choice = ToolChoice("auto", spent=frozenset({"lookup_order"}))
     grammar = turn_grammar(TOOLS, choice, None, qwen_format, qwen.backend)
+    assert accepts(qwen.backend, grammar, reply) is accepted
+
+
+def llama_format() -> ToolFormat:
+    """The format read off Llama-3.2's own template (``tests/unit/test_template_formats.py`` reads the families')."""
+    from kvagent.chat_format import ChatFormat
+    from kvagent.tools.template import tool_format_of
+
+    source = family_template("meta-llama-Llama-3.2-3B-Instruct")
+    found = tool_format_of(source, ChatFormat.from_template(source), "llama-3.2")
+    assert found is not None and not found.tagged
+    return found
+
+
+@pytest.mark.parametrize("choice, reply, accepted", [
+    ("required", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', True),
+    ("required", '{"name": "get_weather", "arguments": {"city": "Oslo"}}', False),  # the template's key only
+    ("required", '{"name": "get_weather", "parameters": {"city": "Oslo"}} {"name": "get_weather", '
+                 '"parameters": {"city": "Rome"}}', False),  # one call per turn, as the template takes
+    ("required", "It rains.", False),
+    ("lookup_order", '{"name": "lookup_order", "parameters": {"order_id": "A-1"}}', True),
+    ("lookup_order", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', False),
+    ("auto", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', True),
+    ("auto", "It rains in Oslo.", True),
+    ("auto", '{"name": "get_weather", "parameters": {}}', False),  # a bound call must be valid
+    ("none", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', False),
+])
+def test_a_format_of_bare_calls_is_held_to_one_call_in_its_own_key(qwen: Engine, choice: str, reply: str,
+                                                                   accepted: bool) -> None:
+    """Llama-3.x writes a call as bare ``{"name": ..., "parameters": ...}``, one per turn: the grammar of each
+    ``tool_choice`` on that format (this model's tokenizer spells the text; the format has no special tokens)."""
+    from kvagent.tools.choice import ToolChoice, turn_grammar
+    from kvagent.tools.grammar import accepts
+
+    grammar = turn_grammar(TOOLS, ToolChoice.of(choice, TOOLS, parallel=True), None, llama_format(), qwen.backend)
     assert accepts(qwen.backend, grammar, reply) is accepted
 
 

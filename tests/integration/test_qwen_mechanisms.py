@@ -52,9 +52,9 @@ def test_the_torch_oracle_agrees_with_llama_cpp(qwen: Engine) -> None:
     reference check``'s measure and bounds, two prompts of 256 tokens."""
     pytest.importorskip("torch")
     from kvagent.reference.check import MIN_COSINE, compare, prose_prompts
-    from kvagent.reference.model import ReferenceModel
+    from kvagent.transformer.model import Transformer
 
-    result = compare(qwen, ReferenceModel.load(qwen.model.path), prose_prompts(qwen, 2, 256))
+    result = compare(qwen, Transformer.load(qwen.model.path), prose_prompts(qwen, 2, 256))
     print(f"\n[{QWEN}] reference vs llama.cpp: mean cosine {result.mean_cosine:.5f}, min {result.min_cosine:.5f}, "
           f"top-1 {result.top1:.3f}")
     assert result.mean_cosine >= MIN_COSINE and result.top1 >= 0.9

@@ -10,7 +10,7 @@ pytest.importorskip("gguf")
 pytestmark = pytest.mark.arch  # the torch oracle is ported per architecture: every model in the fast tier
 
 from kvagent.reference.check import compare, prose_prompts  # noqa: E402
-from kvagent.reference.model import KVCache, counter_causal_mask  # noqa: E402
+from kvagent.transformer.model import KVCache, counter_causal_mask  # noqa: E402
 
 # On the shipped Q4 files llama.cpp quantizes activations to Q8 inside its matmuls, which moves logits
 # at near-ties; measured over 5 prompts x 512 tokens (BENCHMARKS.md): SmolLM2 mean cosine 0.9994,
@@ -36,9 +36,9 @@ def test_exact_on_a_float32_copy_of_the_weights(model: str, n_tokens: int) -> No
     from kvagent.engine import Engine
     from kvagent.models import resolve_model
     from kvagent.reference.export import export_f32
-    from kvagent.reference.model import ReferenceModel
+    from kvagent.transformer.model import Transformer
 
-    ref = ReferenceModel.load(resolve_model(model).path)
+    ref = Transformer.load(resolve_model(model).path)
     with Engine.load(str(export_f32(resolve_model(model))), n_ctx=1024, n_seq_max=2) as f32_engine:
         result = compare(f32_engine, ref, prose_prompts(f32_engine, 1, n_tokens))
     assert result.min_cosine >= 0.99999

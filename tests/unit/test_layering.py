@@ -31,9 +31,9 @@ PRODUCT = [*MODULES, *(p for name, paths in ADAPTERS.items() if name != BENCH fo
 # what an adapter may import of another (a declared dependency): the benchmarks run kvagent's server
 MAY_IMPORT = {BENCH: ("kvagent_server",)}
 BACKEND = "kvagent.backends.llama_cpp"
-# what product code may import from the torch oracle: the model itself (the torch eviction policies run it)
+# the torch oracle (its checks and export): for tests, benchmarks and their commands; the torch transformer it
+# checks (kvagent.transformer) is product code, which the torch eviction policies run
 ORACLE = "kvagent.reference"
-SHARED_ORACLE = ("kvagent.reference.model", "kvagent.reference.weights")
 ORACLE_USERS = ("kvagent/reference/", "kvagent/cli/")
 
 
@@ -146,12 +146,13 @@ def test_only_the_backend_registry_imports_the_llama_cpp_backend() -> None:
     assert not found, "ask kvagent.backends.registry instead of importing the llama.cpp backend:\n" + "\n".join(found)
 
 
-def test_product_code_uses_only_the_shared_part_of_the_oracle() -> None:
-    """The torch reference model is shared (the torch eviction policies run it); its probes, checks and export
-    are the oracle's own, for tests, benchmarks and their commands."""
+def test_product_code_does_not_import_the_oracle() -> None:
+    """The oracle's checks and export are for tests, benchmarks and their commands; the eviction policies run
+    :mod:`kvagent.transformer`, which the oracle checks against llama.cpp."""
     product = [p for p in MODULES if not p.startswith(ORACLE_USERS)]
-    found = _imports(product, lambda name: _under(name, ORACLE) and name != ORACLE and not _under(name, *SHARED_ORACLE))
-    assert not found, "product code may import only kvagent.reference.model from the oracle:\n" + "\n".join(found)
+    found = _imports(product, lambda name: _under(name, ORACLE))
+    assert not found, "product code may not import the oracle (kvagent.reference); use kvagent.transformer:\n" + \
+        "\n".join(found)
 
 
 def test_only_the_llama_cpp_backend_imports_llama_cpp() -> None:

@@ -11,14 +11,14 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from kvagent.errors import UnsupportedModelError  # noqa: E402
-from kvagent.reference.model import (  # noqa: E402
+from kvagent.transformer.model import (  # noqa: E402
     apply_rope,
     causal_mask,
     counter_causal_mask,
     rerotate,
     rope_angles,
 )
-from kvagent.reference.weights import dequantize, load_weights  # noqa: E402
+from kvagent.transformer.weights import dequantize, load_weights  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -128,7 +128,7 @@ def test_default_pinning(kind_factory, pinned: bool) -> None:  # type: ignore[no
 
 @pytest.mark.parametrize(
     ("bad", "match"),
-    [(lambda: Segment(SegmentKind.TURN, "x", role="tool"), "unknown role"),
+    [(lambda: Segment(SegmentKind.TURN, "x", role="robot"), "unknown role"),
      (lambda: Segment(SegmentKind.FIELD, "x"), "needs the field's name"),
      (lambda: Renderer(CharTokenizer(), FMT).render([]), "at least one segment")],
 )

@@ -290,7 +290,7 @@ def run(
     import torch
 
     from kvagent.engine import Engine
-    from kvagent.reference.model import ReferenceModel
+    from kvagent.transformer.model import Transformer
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -299,7 +299,7 @@ def run(
     for model in models:
         with Engine.load(model, n_ctx=1024, n_seq_max=2) as engine:
             progress(f"{model}: loading the reference")
-            reference = ReferenceModel.load(engine.model.path)
+            reference = Transformer.load(engine.model.path)
             cases: list[ProbedCase] = []
             dropped: dict[str, dict[str, int]] = {}
             for name in templates:

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from kvagent.errors import ProbeInputError
-from kvagent.reference.model import KVCache, ReferenceModel, causal_mask
+from kvagent.transformer.model import KVCache, Transformer, causal_mask
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class NotesProbe:
 
     def __init__(
         self,
-        model: ReferenceModel,
+        model: Transformer,
         case: ProbeCase,
         *,
         token_text: Callable[[int], str] | None = None,
@@ -369,7 +369,7 @@ class NotesProbe:
 
 
 def probe_notes(
-    model: ReferenceModel,
+    model: Transformer,
     case: ProbeCase,
     *,
     token_text: Callable[[int], str] | None = None,

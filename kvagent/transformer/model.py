@@ -1,6 +1,6 @@
-"""A small, readable torch transformer for the architectures kvagent runs (``kvagent.reference.weights``): the oracle.
+"""A small, readable torch transformer for the architectures kvagent runs (``kvagent.transformer.weights``).
 
-Loads the very GGUF llama.cpp runs (:mod:`kvagent.reference.weights`), computes in float32, and keeps
+Loads the very GGUF llama.cpp runs (:mod:`kvagent.transformer.weights`), computes in float32, and keeps
 an explicit KV cache ``k, v: [layers, kv_heads, T, head_dim]`` with the position of every cached
 token. Everything llama.cpp hides is reachable here: an arbitrary attention mask (the counter-causal
 scoring pass of "Back from the Future", Gould and van den Hengel, 2026), explicit position ids (RoPE
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvagent.reference.weights import ModelArgs, Weights, load_weights
+from kvagent.transformer.weights import ModelArgs, Weights, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class Block:
         return x + h
 
 
-class ReferenceModel:
+class Transformer:
     """The torch oracle over one GGUF. ``layers`` may load a subset of blocks (the fast surprise pass
     needs only the last one); running a block that was not loaded raises ``KeyError``."""
 
@@ -242,8 +242,8 @@ class ReferenceModel:
         }
 
     @classmethod
-    def load(cls, path: Path, layers: Iterable[int] | None = None) -> ReferenceModel:
-        """Load from a GGUF path (see :func:`kvagent.reference.weights.load_weights` for errors)."""
+    def load(cls, path: Path, layers: Iterable[int] | None = None) -> Transformer:
+        """Load from a GGUF path (see :func:`kvagent.transformer.weights.load_weights` for errors)."""
         return cls(load_weights(Path(path), layers), Path(path))
 
     # -- pieces ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Read a GGUF file into the torch reference model's hyper-parameters and float32 weights.
+"""Read a GGUF file into the torch transformer's hyper-parameters and float32 weights.
 
 The same file llama.cpp runs, dequantized with the ``gguf`` package (the reader llama.cpp's own Python
 tools use). The architectures: ``llama`` (SmolLM2) and ``gemma3`` (sliding-window layers, sandwich norms, q/k
@@ -94,8 +94,8 @@ def read_args(reader: object, path: Path) -> ModelArgs:
     arch = str(_field(reader, "general.architecture", "?"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{path.name}: architecture {arch!r} is not supported by the torch reference model; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (the llama.cpp backend runs it without the reference)"
+            f"{path.name}: architecture {arch!r} is not supported by the torch transformer (kvagent.transformer); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (the llama.cpp backend runs it; the torch eviction policies need it)"
         )
 
     def hp(key: str, default: object = None) -> object:
@@ -130,9 +130,9 @@ def read_args(reader: object, path: Path) -> ModelArgs:
         if scaling not in ("none", None) or n_rot != head_dim or _field(reader, f"{arch}.attention.sliding_window"):
             raise UnsupportedModelError(
                 f"{path.name}: {arch} with RoPE scaling {scaling!r}, {n_rot} of {head_dim} dimensions rotated or a "
-                "sliding window is not supported by the torch reference model (the llama.cpp backend runs it)")
+                "sliding window is not supported by the torch transformer (the llama.cpp backend runs it)")
         if arch in UNCHECKED_ARCHITECTURES:
-            log.warning("%s: the torch reference model for %s follows llama.cpp's graph but was not checked against "
+            log.warning("%s: the torch transformer for %s follows llama.cpp's graph but was not checked against "
                         "llama.cpp on a real file; run `kvagent reference check --model %s`", path.name, arch, path)
         return ModelArgs(**common, rope_bases=(base,) * n_layer, rope_style=_ROPE_STYLE[arch],
                          attn_scale=1.0 / math.sqrt(head_dim), qk_norm=arch == "qwen3")
@@ -153,12 +153,12 @@ def read_args(reader: object, path: Path) -> ModelArgs:
 
 
 def dequantize(tensor: object, path: Path) -> np.ndarray:
-    from gguf import quants  # optional dependency, imported with the reference model
+    from gguf import quants  # optional dependency, imported with the torch transformer
 
     qtype = tensor.tensor_type.name  # type: ignore[attr-defined]
     if qtype not in SUPPORTED_TYPES:
         raise UnsupportedModelError(
-            f"{path.name}: tensor {tensor.name} has quantization type {qtype}, which the reference "  # type: ignore[attr-defined]
+            f"{path.name}: tensor {tensor.name} has quantization type {qtype}, which the torch transformer "  # type: ignore[attr-defined]
             f"dequantizer does not handle; supported: {', '.join(SUPPORTED_TYPES)}"
         )
     data = np.asarray(tensor.data)  # type: ignore[attr-defined]
@@ -236,7 +236,7 @@ def load_weights(path: Path, layers: Iterable[int] | None = None, with_embedding
         from gguf import GGUFReader
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise UnsupportedModelError(
-            "the torch reference model needs the optional extra: `pip install torch==2.13.0 'kvagent[torch]'`"
+            "the torch transformer needs the optional extra: `pip install torch==2.13.0 'kvagent[torch]'`"
         ) from exc
     reader = GGUFReader(str(path))
     args = read_args(reader, path)
@@ -247,7 +247,7 @@ def load_weights(path: Path, layers: Iterable[int] | None = None, with_embedding
         _to_cache(path, args, arrays)
     except OSError as exc:  # a read-only or full cache directory only costs speed
         log.warning("could not cache dequantized weights of %s: %s", path.name, exc)
-    log.info("reference weights for %s: arch %s, dequantized and cached", path.name, args.arch)
+    log.info("torch weights for %s: arch %s, dequantized and cached", path.name, args.arch)
     return _from_cache(path, wanted, with_embeddings) or _assemble(args, arrays, wanted, with_embeddings)
 
 
