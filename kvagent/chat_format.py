@@ -86,6 +86,14 @@ class ChatFormat:
                 system = RoleWrap(sys_open, sys_close)
             else:  # no system role of its own in this template: a system segment becomes a user message
                 system = RoleWrap(user_open, user_close)
+            # the wrappers must write a conversation as the template does (after any default system text)
+            turns = (f"{user_open}{_U1}{user_close}{gen_prompt}{_A1}{asst_close}"
+                     f"{user_open}{_U2}{user_close}{gen_prompt}")
+            if not conv(("user", _U1), ("assistant", _A1), ("user", _U2), gen=True).endswith(turns) or (
+                    system.open != user_open and conv(("system", _S), ("user", _U1), ("assistant", _A1),
+                                                      ("user", _U2), gen=True) != system.open + _S + system.close + turns):
+                raise ChatTemplateError(f"the chat template of {name} does not write turns as kvagent reads them; "
+                                        "open the session with chat=False to use plain text")
         except ChatTemplateError:
             raise
         except Exception as exc:  # jinja errors, missing sentinels: the template is not one we can split

@@ -156,7 +156,7 @@ class ToolFormat:
             more["role"] = "user"
         if not self.transplant:
             more["kind"] = SegmentKind.MEMORY
-        first = {**more, "opens": False} if self.inline else {**more, "opens": True} if self.in_user else more
+        first = {**more, "opens": True} if self.in_user else more  # an in_user block opens the user message
         out = [replace(Segment.skill("tools", self.header, id=TOOLS_ID), **first),
                *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_open}{self.tool_json(t)}{self.tool_close}",
                                        id=f"tool-{t.name}"), **more) for t in tools)]

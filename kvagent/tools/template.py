@@ -2,12 +2,16 @@
 conversations with tools, calls and results and cutting around the sentinels, as ``kvagent.chat_format`` reads the
 role wrappers.
 
-What it reads: where the tools go (the end of the first system message, as Qwen2.5 / Qwen3 / Hermes templates put
-them; the text before, between and after the tools' JSON), the system text the template writes when a prompt has
-none, how a call is written (the text around ``{"name": ..., "arguments": ...}``, and between two calls), and how
-a tool's result is written (the text around it in its user turn, and between two results). A template that puts
-tools elsewhere (in a user message, as Llama-3.1's and Mistral's do), writes them in another shape, or writes calls
-in another grammar yields None, and kvagent's own Hermes-style format is used (a warning names the template).
+What it reads: where the tools go (the end of the first system message, as Qwen2.5 / Qwen3 templates put them, or
+the start of the first user message, as Llama-3.1 / 3.2 / 3.3's do by default; the text before, between and after
+the tools' JSON and its indent), the system text the template writes when a prompt has none and the system
+header it writes when tools are bound (Llama-3.x's ``Environment: ipython``), how a call is written (the text around
+``{"name": ..., "arguments": ...}`` or the bare object with ``"parameters"``, between two calls, or one call per
+turn where the template refuses two), and how a tool's result is written (in a user turn, joined to the next, or as
+a turn of its own role such as Llama-3.x's ``ipython``, its content as a JSON string). A template that puts tools
+elsewhere (a system message of their own before the caller's, as Hermes-2/3's; before the last user message, as
+Mistral's), writes them in another shape, or writes calls in another grammar yields None, and kvagent's own
+Hermes-style format is used (a warning names the template).
 
 The tools of a template format are prefilled where they stand, not transplanted: measured on Qwen2.5-Coder-0.5B
 (the held-out agent set's first request per tool, ``tool_choice="auto"``), transplanted tool descriptions left 1 of

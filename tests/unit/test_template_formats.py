@@ -126,6 +126,8 @@ def test_a_llama_tool_block_with_no_user_turn_after_it_is_closed() -> None:
                                              Segment.reply()]).tokens))
     assert warm.endswith("\n\n<|eot_id|>") and turn.startswith(warm.removesuffix("<|eot_id|>"))
     assert turn.endswith("\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    joined = found.attach([Segment.policy("Be brief."), *found.segments(TOOLS), Segment.user("Hi")])
+    assert found.attach(joined) == joined  # idempotent
 
 
 @pytest.mark.parametrize("reply, calls", [
@@ -149,3 +151,20 @@ def test_a_streamed_llama_call_is_held_and_given_as_its_call() -> None:
     text = "".join(splitter.feed(p)[0] for p in ['{"name": "get_', 'weather", "parameters": {"city": "Oslo"}}'])
     rest, deltas = splitter.finish([ToolCall("get_weather", {"city": "Oslo"}, "call_1")])
     assert (text, rest, [(d.name, d.arguments) for d in deltas]) == ("", "", [("get_weather", '{"city": "Oslo"}')])
+
+
+@pytest.mark.parametrize("name, turns", [
+    ("Qwen-Qwen3-0.6B", ("<|im_start|>user\n", "<|im_end|>\n", "<|im_start|>assistant\n")),  # a think block last
+    ("Mistral-Small-3.2-24B-Instruct-2506", ("[INST]", "[/INST]", "")),  # no generation prompt
+    ("mistralai-Mistral-Nemo-Instruct-2407", ("[INST]", "[/INST]", "")),  # the system text moves: a user turn
+    ("Apertus-8B-Instruct", None),  # wrappers that would not write its turns: refused, not misread
+])
+def test_chat_turns_read_off_the_families_templates(name: str, turns: tuple[str, str, str] | None) -> None:
+    from kvagent.errors import ChatTemplateError
+
+    if turns is None:
+        with pytest.raises(ChatTemplateError, match="chat=False|does not write turns"):
+            ChatFormat.from_template(family_template(name), name)
+        return
+    chat = ChatFormat.from_template(family_template(name), name)
+    assert (chat.user.open, chat.user.close, chat.generation_prompt) == turns

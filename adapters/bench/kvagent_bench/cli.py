@@ -352,7 +352,8 @@ def bench_tools(
         rows = tools.run(model_names(model), plan, json_path, command_line(), chosen,
                          progress=lambda m: status.update(m))
     plot_path = json_path.with_suffix(".png")
-    tools.plot(rows, plot_path)
+    if any(r["task"] in tools.OVERVIEW_TASKS for r in rows):  # its panels: validity, selection, TTFT, decode
+        tools.plot(rows, plot_path)
     ci = lambda r: f"{r['share']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] ({r['successes']}/{r['n']})"  # noqa: E731
     for task in ("agent", "agent-test"):
         if any(r["task"] == task for r in rows):

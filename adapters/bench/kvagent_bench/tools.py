@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 DEFAULT_JSON = RESULTS_DIR / "tools.json"
 TASKS = ("validity", "ttft", "decode", "agent", "agent-test", "interleaved")
 DEFAULT_TASKS = ("validity", "ttft", "decode")
+OVERVIEW_TASKS = ("validity", "selection", "ttft", "decode")
+"""The row tasks :func:`plot`'s panels show (``validity`` writes ``selection`` rows too)."""
 AGENT_SYSTEMS = ("kvagent auto", "kvagent required", "llama-cpp-python", "llama-server --jinja")
 AGENT_POLICY = "You are a helpful personal assistant. Use a tool when the request needs one; otherwise just answer."
 MODES = ("grammar", "free", "free_prefixed")
@@ -817,5 +819,5 @@ def plot_interleaved(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 __all__ = ["AGENT_SYSTEMS", "DEFAULT_JSON", "MODES", "Plan", "Score", "TASKS", "baseline_messages", "check_arguments", "measure_decode",
-           "measure_agent", "measure_interleaved", "measure_ttft", "measure_validity", "merge_rows", "per_token_ms", "plot", "plot_agent", "plot_interleaved", "run", "score_calls",
+           "OVERVIEW_TASKS", "measure_agent", "measure_interleaved", "measure_ttft", "measure_validity", "merge_rows", "per_token_ms", "plot", "plot_agent", "plot_interleaved", "run", "score_calls",
            "score_text", "share_row"]
