@@ -113,8 +113,10 @@ $(VENV)/.installed: pyproject.toml adapters/langchain/pyproject.toml adapters/se
 	touch $@
 
 # the chat templates llama.cpp ships for its tests (the models' own, as their GGUFs carry them), read by the
-# tool-format tests; from the same sdist as the wheel (~6 s once)
-TEMPLATES_DIR := $(HOME)/.cache/kvagent/templates/llama.cpp-$(LLAMA_VERSION)
+# tool-format tests, which find them by $KVAGENT_TEMPLATES_DIR (outside kvagent's cache folder, which CI empties);
+# from the same sdist as the wheel (~6 s once)
+TEMPLATES_DIR ?= $(HOME)/.cache/kvagent/templates/llama.cpp-$(LLAMA_VERSION)
+export KVAGENT_TEMPLATES_DIR := $(TEMPLATES_DIR)
 $(TEMPLATES_DIR): | $(BIN)/python
 	bash scripts/unpack_llama_templates.sh $(BIN)/pip $(LLAMA_VERSION) $@
 

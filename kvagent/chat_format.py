@@ -34,13 +34,16 @@ class RoleWrap:
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """Role wrappers and the generation prompt of one chat template."""
+    """Role wrappers and the generation prompt of one chat template; ``eos_token``: the text the template was
+    rendered with for ``eos_token`` (the model's end-of-sequence token, which Mistral's templates write after each
+    assistant turn; kvagent tokenizes wrappers with special tokens, so it becomes that token)."""
 
     name: str
     system: RoleWrap
     user: RoleWrap
     assistant: RoleWrap
     generation_prompt: str
+    eos_token: str = ""
 
     def wrap(self, role: str) -> RoleWrap:
         try:
@@ -55,9 +58,10 @@ class ChatFormat:
         return cls("plain", line, line, line, "")
 
     @classmethod
-    def from_template(cls, template: str, name: str = "model") -> ChatFormat:
-        """Derive the wrappers from a Jinja chat template; :class:`ChatTemplateError` if it cannot."""
-        render = _compile(template)
+    def from_template(cls, template: str, name: str = "model", eos_token: str = "") -> ChatFormat:
+        """Derive the wrappers from a Jinja chat template (rendered with ``eos_token``, the model's EOS text);
+        :class:`ChatTemplateError` if it cannot."""
+        render = _compile(template, eos_token)
 
         def conv(*pairs: tuple[str, str], gen: bool = False) -> str:
             return render([{"role": r, "content": c} for r, c in pairs], gen)
@@ -101,7 +105,8 @@ class ChatFormat:
                 f"cannot derive role wrappers from the chat template of {name} ({exc}); "
                 "open the session with chat=False to use plain text"
             ) from exc
-        return cls(name, system, RoleWrap(user_open, user_close), RoleWrap(gen_prompt, asst_close), gen_prompt)
+        return cls(name, system, RoleWrap(user_open, user_close), RoleWrap(gen_prompt, asst_close), gen_prompt,
+                   eos_token)
 
 
 # Formats for models whose GGUF carries no chat template (the Gemma 3 270M we ship has none), by
@@ -135,12 +140,12 @@ def compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
-def _compile(template: str) -> Any:
+def _compile(template: str, eos_token: str = "") -> Any:
     compiled = compile_template(template)
 
     def render(messages: list[dict[str, str]], gen: bool) -> str:
         # BOS is added by the tokenizer, never as template text.
-        return str(compiled.render(messages=messages, add_generation_prompt=gen, bos_token="", eos_token=""))
+        return str(compiled.render(messages=messages, add_generation_prompt=gen, bos_token="", eos_token=eos_token))
 
     return render
 

@@ -328,7 +328,8 @@ class Engine:
     def _chat_format(self) -> ChatFormat:
         template = self.backend.chat_template
         if template:
-            return ChatFormat.from_template(template, self.model.name)
+            # the EOS text: templates that close assistant turns with it (Mistral's) are written as they are
+            return ChatFormat.from_template(template, self.model.name, getattr(self.backend, "eos_text", ""))
         builtin = BUILTIN_FORMATS.get(self.backend.architecture)
         if builtin is None:
             raise ChatTemplateError(

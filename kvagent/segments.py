@@ -32,7 +32,8 @@ class SegmentKind(str, Enum):
 
 # Kinds that eviction must never drop by default: the instructions and the state they depend on.
 _PINNED_BY_DEFAULT = {SegmentKind.POLICY, SegmentKind.FIELD, SegmentKind.ERRATUM}
-_ROLES = ("system", "user", "assistant", "tool")  # tool: a result its tool format writes as a turn of its own
+# tool: a result its tool format writes as a turn of its own; tools: the tools, where they are a message of their own
+_ROLES = ("system", "user", "assistant", "tool", "tools")
 _ids = itertools.count()
 
 DEFAULT_FIELD_TEMPLATE = "{name}: {value}"
@@ -311,7 +312,10 @@ class Renderer:
 
     def _wrap(self, seg: Segment, body: Sequence[int], opening: str | None = None) -> tuple[int, ...]:
         fmt = self.chat_format
-        wrap = self.tools.result_wrap() if seg.role == "tool" and self.tools is not None else fmt.wrap(seg.role)
+        if seg.role in ("tool", "tools") and self.tools is not None:
+            wrap = self.tools.result_wrap() if seg.role == "tool" else self.tools.tools_wrap()
+        else:
+            wrap = fmt.wrap(seg.role)
         if opening is None:
             opening = fmt.generation_prompt if (seg.role == "assistant") else wrap.open
         closing = wrap.close if seg.complete and seg.closes else ""

@@ -2,13 +2,15 @@
 
 The templates are the models' own (their ``tokenizer_config.json`` template, which the GGUF converter writes into
 ``tokenizer.chat_template``), as llama.cpp ships them for its tests in the pinned llama-cpp-python sdist; ``make
-setup`` copies them into kvagent's cache folder (``scripts/unpack_llama_templates.sh``)."""
+setup`` copies them beside kvagent's cache folder (``scripts/unpack_llama_templates.sh``)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
-from kvagent.models import cache_dir
 from kvagent.tools import ToolSet
 
 TOOLS = ToolSet([
@@ -22,9 +24,11 @@ TOOLS = ToolSet([
 
 
 def family_template(name: str) -> str:
-    """The chat template ``<name>.jinja`` (e.g. ``meta-llama-Llama-3.2-3B-Instruct``); skips, naming the command,
-    where ``make setup`` has not copied them."""
-    folders = sorted((cache_dir() / "templates").glob("llama.cpp-*"))
-    if not folders:
+    """The chat template ``<name>.jinja`` (e.g. ``meta-llama-Llama-3.2-3B-Instruct``) in ``$KVAGENT_TEMPLATES_DIR``
+    (the Makefile sets it) or the newest ``~/.cache/kvagent/templates/llama.cpp-*``; skips, naming the command, where
+    ``make setup`` has not copied them."""
+    given = os.environ.get("KVAGENT_TEMPLATES_DIR")
+    folders = [Path(given)] if given else sorted((Path.home() / ".cache" / "kvagent" / "templates").glob("llama.cpp-*"))
+    if not folders or not folders[-1].is_dir():
         pytest.skip("llama.cpp's chat templates are missing: run `make setup`")
     return (folders[-1] / f"{name}.jinja").read_text(encoding="utf-8")

@@ -369,6 +369,17 @@ class LlamaCppBackend:
                 return buf.raw[:n]
             size = -n
 
+    @property
+    def eos_text(self) -> str:
+        """The end-of-sequence token's text (``</s>``, ``<|im_end|>``), as a chat template's ``eos_token``."""
+        self._live()
+        eos = int(C.llama_vocab_eos(self._vocab))
+        if eos < 0:
+            return ""
+        buf = ctypes.create_string_buffer(256)
+        n = C.llama_token_to_piece(self._vocab, eos, buf, 256, 0, True)
+        return buf.raw[: max(n, 0)].decode("utf-8", errors="replace")
+
     def is_eog(self, token: int) -> bool:
         return bool(C.llama_vocab_is_eog(self._vocab, token))
 

@@ -87,11 +87,18 @@ def turn_grammar(tools: ToolSet | None, choice: ToolChoice | None, response_sche
         return lark_text(backend, text) if backend is not None else json.dumps(text)
 
     f = tool_format
-    json_rule = f"json: {json_lark(fmt.call_schema(called, f.arguments_key))}\n"
-    # a format of bare calls (Llama-3.x) writes the call object alone
-    call = (f"call: {literal(f.call_open)} json {literal(f.call_close)}\n" if f.tagged else "call: json\n") + json_rule
-    separator = literal(f.call_separator) if f.call_separator else '" "'
-    calls = f"calls: call ({separator} call)*\n" if choice.parallel and not f.single_call else "calls: call\n"
+    close = f" {literal(f.call_close)}" if f.call_close else ""
+    if f.call_name_close is not None:  # the name, then its arguments (Mistral's [TOOL_CALLS]name[ARGS]{...})
+        call = (f"call: {literal(f.call_open)} ("
+                + " | ".join(f"{json.dumps(t.name)} {literal(f.call_name_close)} named{i}" for i, t in enumerate(called))
+                + f"){close}\n"
+                + "".join(f"named{i}: {json_lark({'additionalProperties': False, **dict(t.parameters)})}\n"
+                          for i, t in enumerate(called)))
+    else:  # a format of bare calls (Llama-3.x) writes the call object alone
+        call = (f"call: {literal(f.call_open)} json{close}\n" if f.tagged else "call: json\n") + \
+            f"json: {json_lark(fmt.call_schema(called, f.arguments_key))}\n"
+    separator = f"{literal(f.call_separator)} " if f.call_separator else ""
+    calls = f"calls: call ({separator}call)*\n" if choice.parallel and not f.single_call else "calls: call\n"
     if choice.mode == "auto" and response_schema is not None:
         start = f"start: reply | calls\nreply: {json_lark(response_schema)}\n"
     elif choice.mode == "auto" and f.untagged:  # a format of bare calls has them as ``bare`` only

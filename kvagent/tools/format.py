@@ -105,7 +105,10 @@ class ToolFormat:
     the open tag names the tool and the call, kvagent's own format); consecutive results share one user message,
     joined by ``result_separator``; ``result_turn``: a result is a turn of its own role, whose wrappers
     ``result_open``/``result_close`` hold (Llama-3.x's ``ipython``), ``result_json``: its content written as a JSON
-    string. ``untagged``: read a reply that is only a bare-JSON call as that call. ``transplant``: the tools are SKILL
+    string. ``own_message``: the tools are a message of their own between the system message and the first user
+    message, ``header`` and ``footer`` its wrappers (special tokens, Mistral's ``[AVAILABLE_TOOLS]``), the tools
+    joined by ``tool_joiner``. ``call_name_close``: a call is ``call_open + <name> + call_name_close + <arguments
+    JSON> + call_close`` (Mistral's ``[TOOL_CALLS]name[ARGS]{...}``). ``untagged``: read a reply that is only a bare-JSON call as that call. ``transplant``: the tools are SKILL
     segments (compiled once, transplanted), else prefilled where they stand (MEMORY segments: the template formats,
     see :mod:`kvagent.tools.template`)."""
 
@@ -133,6 +136,9 @@ class ToolFormat:
     single_call: bool = False
     result_turn: bool = False
     result_json: bool = False
+    own_message: bool = False
+    tool_joiner: str = ""
+    call_name_close: str | None = None
 
     @property
     def tagged(self) -> bool:
@@ -156,6 +162,12 @@ class ToolFormat:
             more["role"] = "user"
         if not self.transplant:
             more["kind"] = SegmentKind.MEMORY
+        if self.own_message:  # the header and footer are the message's wrappers (tools_wrap)
+            more = {"opens": False, "closes": False, "role": "tools", "kind": SegmentKind.MEMORY}
+            return [replace(Segment.skill("tools", "", id=TOOLS_ID), **{**more, "opens": True}),
+                    *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_joiner if i else ''}{self.tool_json(t)}",
+                                            id=f"tool-{t.name}"), **more) for i, t in enumerate(tools)),
+                    replace(Segment.skill("tools-end", "", id="tools-end"), **{**more, "closes": True})]
         first = {**more, "opens": True} if self.in_user else more  # an in_user block opens the user message
         out = [replace(Segment.skill("tools", self.header, id=TOOLS_ID), **first),
                *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_open}{self.tool_json(t)}{self.tool_close}",
@@ -193,6 +205,13 @@ class ToolFormat:
             return None
         return self.system_open
 
+    def tools_wrap(self) -> RoleWrap:
+        """The wrappers of a ``tools``-role message: the tools as a message of their own (:attr:`own_message`)."""
+        if not self.own_message:
+            raise SegmentOrderError(f"the {self.name} format writes tools inside another message, not as a tools-role "
+                                    "one: build them with ToolFormat.segments")
+        return RoleWrap(self.header, self.footer)
+
     def result_wrap(self) -> RoleWrap:
         """The wrappers of a ``tool``-role segment: a result that is a turn of its own (:attr:`result_turn`)."""
         if not self.result_turn:
@@ -203,6 +222,9 @@ class ToolFormat:
     # -- calls ------------------------------------------------------------------------------------
     def render_calls(self, calls: Sequence[ToolCall]) -> str:
         """The text of an assistant turn that makes ``calls`` (what the grammar lets the model write)."""
+        if self.call_name_close is not None:
+            return self.call_separator.join(f"{self.call_open}{c.name}{self.call_name_close}"
+                                            f"{dumps(dict(c.arguments))}{self.call_close}" for c in calls)
         return self.call_separator.join(
             f"{self.call_open}{dumps({'name': c.name, self.arguments_key: dict(c.arguments)})}{self.call_close}"
             for c in calls)
@@ -228,6 +250,15 @@ class ToolFormat:
         calls, decoder, at = [], json.JSONDecoder(), 0
         while (start := text.find(opener, at)) >= 0:
             begin = _skip_space(text, start + len(opener))
+            name = None
+            if self.call_name_close is not None:  # the name, then its arguments
+                split = text.find(self.call_name_close, begin)
+                if split < 0:
+                    if not complete:
+                        break
+                    raise ToolCallError(f"a tool call in the {self.name} format has no {self.call_name_close} after "
+                                        f"its name: {text[start:start + 200]!r}")
+                name, begin = text[begin:split].strip(), _skip_space(text, split + len(self.call_name_close))
             try:
                 data, end = decoder.raw_decode(text, begin)
             except ValueError as exc:
@@ -241,7 +272,8 @@ class ToolFormat:
                     break
                 raise ToolCallError(f"a tool call in the {self.name} format is not closed by {closer}: "
                                     f"{text[start:end + 40]!r}")
-            calls.append(_call_of(data, tools, self.name, text[begin:end]))
+            calls.append(_call_of({"name": name, "arguments": data} if name is not None else data, tools, self.name,
+                                  text[begin:end]))
             at = after + len(closer)
         return calls
 

@@ -37,9 +37,14 @@ class CallSplitter:
 
     def __init__(self, tool_format: ToolFormat = HERMES) -> None:
         self.format = tool_format
-        self._head = re.compile(re.escape(tool_format.call_open) + r'\{"name": "((?:[^"\\]|\\.)*)", "'
-                                + re.escape(tool_format.arguments_key) + '": ')
-        self._tail = "}" + tool_format.call_close  # after the arguments object: the call object's brace, then the tag
+        if tool_format.call_name_close is not None:  # the name, then its arguments (Mistral's [ARGS])
+            self._head = re.compile(re.escape(tool_format.call_open) + r"([A-Za-z0-9_.-]+)"
+                                    + re.escape(tool_format.call_name_close))
+            self._tail = tool_format.call_close
+        else:
+            self._head = re.compile(re.escape(tool_format.call_open) + r'\{"name": "((?:[^"\\]|\\.)*)", "'
+                                    + re.escape(tool_format.arguments_key) + '": ')
+            self._tail = "}" + tool_format.call_close  # after the arguments object: the call object's brace, the tag
         self.mode: str | None = None  # "text", "calls" or "held" (maybe bare-JSON calls), once the start is known
         self._buffer = ""  # call mode: text not yet turned into deltas
         self._state = "head"  # head (waiting for a call's head), args (in its arguments), tail (after them)

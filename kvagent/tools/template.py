@@ -7,11 +7,14 @@ the start of the first user message, as Llama-3.1 / 3.2 / 3.3's do by default; t
 the tools' JSON and its indent), the system text the template writes when a prompt has none and the system
 header it writes when tools are bound (Llama-3.x's ``Environment: ipython``), how a call is written (the text around
 ``{"name": ..., "arguments": ...}`` or the bare object with ``"parameters"``, between two calls, or one call per
-turn where the template refuses two), and how a tool's result is written (in a user turn, joined to the next, or as
-a turn of its own role such as Llama-3.x's ``ipython``, its content as a JSON string). A template that puts tools
-elsewhere (a system message of their own before the caller's, as Hermes-2/3's; before the last user message, as
-Mistral's), writes them in another shape, or writes calls in another grammar yields None, and kvagent's own
-Hermes-style format is used (a warning names the template).
+turn where the template refuses two, or the name before its arguments as Mistral's ``[TOOL_CALLS]name[ARGS]{...}``),
+and how a tool's result is written (in a user turn, joined to the next, or as a turn of its own role such as
+Llama-3.x's ``ipython`` or Mistral's ``[TOOL_RESULTS]``, its content maybe as a JSON string). The tools may also be a
+message of their own between the system message and the first user message (Devstral's and Ministral-3's
+``[AVAILABLE_TOOLS]``). A template that puts tools elsewhere (a system message of their own before the caller's, as
+Hermes-2/3's; before the last user message, as Mistral-Nemo's and Small-3.2's), writes them in another shape, or
+writes calls in another grammar yields None, and kvagent's own Hermes-style format is used (a warning names the
+template).
 
 The tools of a template format are prefilled where they stand, not transplanted: measured on Qwen2.5-Coder-0.5B
 (the held-out agent set's first request per tool, ``tool_choice="auto"``), transplanted tool descriptions left 1 of
@@ -52,7 +55,7 @@ def tool_format_of(template: str, chat: ChatFormat, name: str = "model") -> Tool
 
     def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool = False) -> str:
         return str(compiled.render(messages=messages, tools=tools, add_generation_prompt=gen, bos_token="",
-                                   eos_token=""))
+                                   eos_token=chat.eos_token))
 
     try:
         return _read(render, chat)
@@ -76,28 +79,36 @@ def _read(render: Any, chat: ChatFormat) -> ToolFormat | None:
     sys_open, sys_open_tools = plain[: plain.index(_SYS)], with_tools[: with_tools.index(_SYS)]
     sys_close_and_user = plain[plain.index(_SYS) + len(_SYS): plain.index(_USER)]
     after_sys = with_tools[with_tools.index(_SYS) + len(_SYS): with_tools.index(_USER)]
+    sys_close = chat.system.close
     in_user = after_sys.startswith(sys_close_and_user) and one in after_sys  # the tools open the user message
+    # a message of their own between the system message and the first user message (Devstral's, Ministral-3's)
+    own_message = (not in_user and bool(sys_close) and bool(user_open) and sys_close_and_user == sys_close + user_open
+                   and after_sys.startswith(sys_close) and after_sys.endswith(user_open) and one in after_sys)
     if in_user:
         if not sys_close_and_user.endswith(user_open) or not user_open:
             return None
         block = after_sys[len(sys_close_and_user):]
+    elif own_message:
+        block = after_sys[len(sys_close): len(after_sys) - len(user_open)]
     elif sys_open_tools == sys_open and one in after_sys:  # the tools continue the system message
         block = after_sys
     else:
-        return None  # elsewhere (a message of their own, or before the last user message as Mistral's templates)
+        return None  # elsewhere (before the last user message, as Mistral-Nemo's and Small-3.2's templates)
     header = block[: block.index(one)]
     between = block[block.index(one) + len(one): block.index(two)]
     after = block[block.index(two) + len(two):]
-    if not after.startswith(between):
+    if own_message:  # the tools joined by ``between``, the message's wrappers around them
+        footer = after
+    elif not after.startswith(between):
         return None
-    if in_user:
+    elif in_user:
         footer = after[len(between):]
     elif after.endswith(sys_close_and_user):
         footer = after[len(between): len(after) - len(sys_close_and_user)]
     else:
         return None
     default_system = ""
-    if not in_user:  # the default system text, where a prompt has none: the block follows it
+    if not in_user and not own_message:  # the default system text, where a prompt has none: the block follows it
         bare = render([user], _TOOLS)
         default_system = bare[len(sys_open): bare.index(header)] if bare.startswith(sys_open) and header in bare else ""
 
@@ -123,21 +134,25 @@ def _read(render: Any, chat: ChatFormat) -> ToolFormat | None:
     except Exception:  # the template refuses two calls in a turn (Llama-3.x)
         turn2 = joined = None
     key = next((k for k in ("arguments", "parameters") if _body(_CALLS[0], k) in turn), None)
-    if key is None:
-        return None  # calls not written as {"name": ..., "arguments": ...} after the generation prompt
-    body1, body2 = _body(_CALLS[0], key), _body(_CALLS[1], key)
-    call_open = turn[: turn.index(body1)]
-    ending = turn[turn.index(body1) + len(body1):]  # the call's closing text, then the assistant message's
+    name_close = None if key is not None else _name_close(turn, _CALLS[0])
+    if key is None and not name_close:
+        return None  # calls neither {"name": ..., "arguments": ...} nor a name and its arguments
+    first_call, second_call = _span(turn, _CALLS[0], key, name_close), None
+    if first_call is None:
+        return None
+    call_open = turn[: first_call[0]]
+    ending = turn[first_call[1]:]  # the call's closing text, then the assistant message's
     if turn2 is None:
         call_close, call_separator = ending[: len(ending) - len(asst_close)], ""
     else:
-        second = turn2.index(body2) if body2 in turn2 else -1
-        if second < 0 or turn2[second - len(call_open): second] != call_open or not turn2.endswith(ending):
+        first_call, second_call = _span(turn2, _CALLS[0], key, name_close), _span(turn2, _CALLS[1], key, name_close)
+        if first_call is None or second_call is None or \
+                turn2[second_call[0] - len(call_open): second_call[0]] != call_open or not turn2.endswith(ending):
             return None  # a second call not written as the first
-        separated = turn2[turn2.index(body1) + len(body1): second - len(call_open)]  # close + separator
+        separated = turn2[first_call[1]: second_call[0] - len(call_open)]  # close + separator
         call_close = separated[: _common_prefix(separated, ending)]
         call_separator = separated[len(call_close):]
-    if bool(call_open.strip()) != bool(call_close.strip()):
+    if name_close is None and bool(call_open.strip()) != bool(call_close.strip()):
         return None  # a call opened and not closed by tags (or the other way round): not a shape kvagent reads
 
     result_turn = result_json = False
@@ -154,6 +169,8 @@ def _read(render: Any, chat: ChatFormat) -> ToolFormat | None:
         result_close = message[message.index(content) + len(content):]
         if not result_close.endswith(asst_close) and not result_close.strip():
             return None
+        if joined is not None and joined.count(result_open + _RES2 + result_close) != 1:
+            return None  # two results not written as two such turns
     result_separator = None
     if joined is not None and not result_turn:
         between_results = joined[joined.index(_RES1) + len(_RES1): joined.index(_RES2)]
@@ -168,8 +185,25 @@ def _read(render: Any, chat: ChatFormat) -> ToolFormat | None:
         result_close=result_close, result_separator=result_separator, inline=not in_user,
         default_system=default_system, wrap_tool=True, untagged=True, transplant=False, in_user=in_user,
         system_open=sys_open_tools if sys_open_tools != sys_open else None, tool_indent=indent,
-        arguments_key=key, single_call=turn2 is None, result_turn=result_turn, result_json=result_json,
+        arguments_key=key or "arguments", single_call=turn2 is None, result_turn=result_turn, result_json=result_json,
+        own_message=own_message, tool_joiner=between if own_message else "", call_name_close=name_close,
     )
+
+
+def _name_close(turn: str, call: dict[str, Any]) -> str | None:
+    """The text between a call's name and its arguments' JSON, where a turn writes them so (Mistral's ``[ARGS]``)."""
+    name, arguments = call["function"]["name"], json.dumps(call["function"]["arguments"], ensure_ascii=False)
+    at = turn.find(name)
+    end = turn.find(arguments, at + len(name)) if at >= 0 else -1
+    return turn[at + len(name): end] if end > at and turn[at + len(name): end].strip() else None
+
+
+def _span(turn: str, call: dict[str, Any], key: str | None, name_close: str | None) -> tuple[int, int] | None:
+    """Where a call's own text (its JSON object, or its name, ``name_close`` and arguments) is in a turn."""
+    text = (_body(call, key) if key is not None else
+            call["function"]["name"] + str(name_close) + json.dumps(call["function"]["arguments"], ensure_ascii=False))
+    at = turn.find(text)
+    return (at, at + len(text)) if at >= 0 else None
 
 
 def _body(call: dict[str, Any], key: str) -> str:

@@ -264,6 +264,32 @@ def test_a_format_of_bare_calls_is_held_to_one_call_in_its_own_key(qwen: Engine,
     assert accepts(qwen.backend, grammar, reply) is accepted
 
 
+@pytest.mark.parametrize("choice, reply, accepted", [
+    ("required", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', True),
+    ("required", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]lookup_order[ARGS]{"order_id": "A-1"}',
+     True),  # parallel calls, joined as the template joins them
+    ("required", '[TOOL_CALLS]get_weather[ARGS]{"town": "Oslo"}', False),  # the schema's keys only
+    ("required", '[TOOL_CALLS]{"name": "get_weather", "arguments": {"city": "Oslo"}}', False),
+    ("lookup_order", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', False),
+    ("auto", "It rains in Oslo.", True),
+    ("auto", '[TOOL_CALLS]lookup_order[ARGS]{"order_id": "A-1"}', True),
+])
+def test_a_format_that_names_the_tool_before_its_arguments(qwen: Engine, choice: str, reply: str,
+                                                           accepted: bool) -> None:
+    """Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` (read off Devstral's template): the grammar of each
+    ``tool_choice`` (this model's tokenizer spells ``[TOOL_CALLS]`` as text; Mistral's has it as one token)."""
+    from kvagent.chat_format import ChatFormat
+    from kvagent.tools.choice import ToolChoice, turn_grammar
+    from kvagent.tools.grammar import accepts
+    from kvagent.tools.template import tool_format_of
+
+    source = family_template("unsloth-mistral-Devstral-Small-2507")
+    found = tool_format_of(source, ChatFormat.from_template(source, "devstral", "</s>"), "devstral")
+    assert found is not None and found.call_name_close == "[ARGS]"
+    grammar = turn_grammar(TOOLS, ToolChoice.of(choice, TOOLS, parallel=True), None, found, qwen.backend)
+    assert accepts(qwen.backend, grammar, reply) is accepted
+
+
 @pytest.mark.parametrize("reply, calls", [
     ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', [("get_weather", {"city": "Oslo"})]),
     ('```json\n{\n  "name": "lookup_order",\n  "arguments": {"order_id": "A-1"}\n}\n```', [("lookup_order", {"order_id": "A-1"})]),

@@ -25,9 +25,12 @@ RESULTS = [{"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "co
            {"role": "tool", "tool_call_id": "call_2", "name": "lookup_order", "content": "shipped on 3 Dec"}]
 
 
+EOS = "</s>"  # the model's EOS text, which Mistral's templates write after each assistant turn
+
+
 def read(name: str) -> tuple[ChatFormat, ToolFormat | None]:
     source = family_template(name)
-    chat = ChatFormat.from_template(source, name)
+    chat = ChatFormat.from_template(source, name, EOS)
     return chat, tool_format_of(source, chat, name)
 
 
@@ -40,21 +43,22 @@ class Characters:
         return [ord(c) for c in text]
 
 
-# (template, how kvagent reads it: None = its own Hermes-style format, else (where the tools go, the calls'
-# arguments key, calls tagged, several calls per turn, results))
+# (template, how kvagent reads it: None = its own Hermes-style format, else (where the tools go, how a call holds its
+# arguments, calls tagged, several calls per turn, results))
 CASES = [
     ("Qwen-Qwen2.5-7B-Instruct", ("system", "arguments", True, True, "user turn")),
     ("Qwen-Qwen3-0.6B", ("system", "arguments", True, True, "user turn")),
     ("meta-llama-Llama-3.1-8B-Instruct", ("user", "parameters", False, False, "own turn, JSON")),
     ("meta-llama-Llama-3.2-3B-Instruct", ("user", "parameters", False, False, "own turn, JSON")),
     ("meta-llama-Llama-3.3-70B-Instruct", ("user", "parameters", False, False, "own turn, JSON")),
+    ("unsloth-mistral-Devstral-Small-2507", ("own message", "[ARGS]", True, True, "own turn")),
+    ("mistralai-Ministral-3-14B-Reasoning-2512", ("own message", "[ARGS]", True, True, "own turn")),
     # a system message of their own before the caller's, results in a ``tool`` role
     ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", None),
     ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", None),
-    # the tools move to the last user message every turn, calls are not a JSON object
+    # the tools move to the last user message every turn
     ("mistralai-Mistral-Nemo-Instruct-2407", None),
     ("Mistral-Small-3.2-24B-Instruct-2506", None),
-    ("unsloth-mistral-Devstral-Small-2507", None),
 ]
 READ = [name for name, shape in CASES if shape is not None]
 
@@ -67,7 +71,8 @@ def test_the_format_read_off_each_family_template(name: str, shape: tuple[Any, .
         return
     assert found is not None
     results = "user turn" if not found.result_turn else "own turn, JSON" if found.result_json else "own turn"
-    assert ("user" if found.in_user else "system", found.arguments_key, found.tagged, not found.single_call,
+    where = "user" if found.in_user else "own message" if found.own_message else "system"
+    assert (where, found.call_name_close or found.arguments_key, found.tagged, not found.single_call,
             results) == shape
 
 
@@ -101,7 +106,7 @@ def test_a_conversation_with_tools_is_written_as_the_template_writes_it(name: st
     assert found is not None
     messages = conversation(parallel=not found.single_call)
     cold = compile_template(family_template(name)).render(messages=messages, tools=[openai_tool(t) for t in TOOLS],
-                                                   add_generation_prompt=True, bos_token="", eos_token="")
+                                                   add_generation_prompt=True, bos_token="", eos_token=EOS)
     assert kvagent_text(chat, found, messages) == cold
 
 
@@ -111,7 +116,7 @@ def test_without_tools_the_prompt_is_the_template_s_too(name: str) -> None:
     assert found is not None
     messages = [m for m in conversation(parallel=False) if m["role"] != "tool" and not m.get("tool_calls")]
     cold = compile_template(family_template(name)).render(messages=messages, add_generation_prompt=True, bos_token="",
-                                                   eos_token="")
+                                                          eos_token=EOS)
     assert kvagent_text(chat, found, messages, tools=False) == cold
 
 
@@ -168,3 +173,39 @@ def test_chat_turns_read_off_the_families_templates(name: str, turns: tuple[str,
         return
     chat = ChatFormat.from_template(family_template(name), name)
     assert (chat.user.open, chat.user.close, chat.generation_prompt) == turns
+
+
+@pytest.mark.parametrize("reply, calls", [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', [("get_weather", {"city": "Oslo"})]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]lookup_order[ARGS]{"order_id": "A-7"}',
+     [("get_weather", {"city": "Oslo"}), ("lookup_order", {"order_id": "A-7"})]),
+    ('[TOOL_CALLS]lookup_order[ARGS]{"order_id": "A-', []),  # cut short: no call
+])
+def test_mistral_calls_are_read_as_the_model_writes_them(reply: str, calls: list[Any]) -> None:
+    _, found = read("unsloth-mistral-Devstral-Small-2507")
+    assert found is not None and found.starts_call(reply)
+    got = found.parse_calls(reply, TOOLS, complete=bool(calls))
+    assert [(c.name, dict(c.arguments)) for c in got] == calls
+    if calls:
+        assert found.render_calls(got) == reply
+
+
+def test_a_mistral_call_naming_an_unbound_tool_is_an_error_naming_it() -> None:
+    from kvagent.errors import ToolCallError
+
+    _, found = read("unsloth-mistral-Devstral-Small-2507")
+    assert found is not None
+    with pytest.raises(ToolCallError, match="book_flight"):
+        found.parse_calls('[TOOL_CALLS]book_flight[ARGS]{"to": "Oslo"}', TOOLS)
+
+
+def test_a_streamed_mistral_call_is_given_as_its_name_and_arguments() -> None:
+    _, found = read("unsloth-mistral-Devstral-Small-2507")
+    assert found is not None
+    splitter = CallSplitter(found)
+    pieces = ["[TOOL_CALLS]", "get_wea", "ther[ARGS]", '{"city": ', '"Oslo"}', "[TOOL_CALLS]lookup_order[ARGS]",
+              '{"order_id": "A-7"}']
+    deltas = [d for p in pieces for d in splitter.feed(p)[1]] + splitter.finish()[1]
+    names = [d.name for d in deltas if d.name is not None]
+    args = ["".join(d.arguments for d in deltas if d.index == i) for i in range(2)]
+    assert (names, args) == (["get_weather", "lookup_order"], ['{"city": "Oslo"}', '{"order_id": "A-7"}'])
