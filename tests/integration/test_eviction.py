@@ -344,7 +344,8 @@ CASES = [
     pytest.param(Case(G, "window", 400, budget=256 - 56 - _MARGIN, chunk=56, n_ctx=256)),
     # Eviction(compact=True): the kept cells renumbered 0..k-1 after each cycle (K-shift); the window decodes in the
     # shared batch (generation's positions are cells), contrast through the evictor; Gemma-3's sliding window
-    pytest.param(Case(S, "window", 700, replay=True, compact=True)),
+    # (SmolLM2's compacted window in the full tier, for the fast tier's budget; its compacted contrast stays)
+    pytest.param(Case(S, "window", 700, replay=True, compact=True), marks=pytest.mark.full),
     pytest.param(Case(S, "contrast", 700, replay=True, compact=True)),
     # Gemma-3 compacted in the fast tier: contrast at 330 (below); the window at 700 (11 s) in the full tier
     pytest.param(Case(G, "window", 700, replay=True, compact=True), marks=pytest.mark.full),
@@ -705,7 +706,7 @@ def code_run(engine: Engine, policy: str, fraction: float) -> tuple[list[int], s
     return digits, cached, rec
 
 
-@pytest.mark.parametrize("fraction", [0.5, 0.25])
+@pytest.mark.parametrize("fraction", [pytest.param(0.5, marks=pytest.mark.full), 0.25])  # 0.5: the fast tier's budget
 @pytest.mark.parametrize("model", MODELS)
 def test_surprise_keeps_the_tokens_of_a_code_in_prose(engines: dict[str, Engine], model: str, fraction: float) -> None:
     """Token-level scores lose digits of a code (measured: 2/4 kept at 50% on both models, 0/4 (SmolLM2) or
@@ -769,7 +770,9 @@ def _extend_restored(engine: Engine, blob: bytes, segs: list[Segment], eviction:
 
 
 @pytest.mark.parametrize(("model", "policy", "compact"), [
-    (S, "window", False), (G, "window", False), pytest.param(S, "hybrid", False, marks=pytest.mark.full),
+    # the fast tier's budget: SmolLM2's compacted contrast below stays there; its window in the full tier
+    pytest.param(S, "window", False, marks=pytest.mark.full), (G, "window", False),
+    pytest.param(S, "hybrid", False, marks=pytest.mark.full),
     (G, "hybrid", False),
     pytest.param(S, "h2o", False, marks=pytest.mark.full), pytest.param(S, "selfinfo", False, marks=pytest.mark.full),
     pytest.param(S, "contrast", False, marks=pytest.mark.full),
