@@ -157,17 +157,17 @@ class ToolFormat:
         that open a user message and leave it open for the first user turn (:meth:`attach`)."""
         if not tools:
             return []
+        if self.own_message:  # the header and footer are the message's wrappers (tools_wrap)
+            parts: dict[str, Any] = {"opens": False, "closes": False, "role": "tools", "kind": SegmentKind.MEMORY}
+            return [replace(Segment.skill("tools", "", id=TOOLS_ID), **{**parts, "opens": True}),
+                    *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_joiner if i else ''}{self.tool_json(t)}",
+                                            id=f"tool-{t.name}"), **parts) for i, t in enumerate(tools)),
+                    replace(Segment.skill("tools-end", "", id="tools-end"), **{**parts, "closes": True})]
         more: dict[str, Any] = {"opens": False, "closes": False} if self.inline or self.in_user else {}
         if self.in_user:
             more["role"] = "user"
         if not self.transplant:
             more["kind"] = SegmentKind.MEMORY
-        if self.own_message:  # the header and footer are the message's wrappers (tools_wrap)
-            more = {"opens": False, "closes": False, "role": "tools", "kind": SegmentKind.MEMORY}
-            return [replace(Segment.skill("tools", "", id=TOOLS_ID), **{**more, "opens": True}),
-                    *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_joiner if i else ''}{self.tool_json(t)}",
-                                            id=f"tool-{t.name}"), **more) for i, t in enumerate(tools)),
-                    replace(Segment.skill("tools-end", "", id="tools-end"), **{**more, "closes": True})]
         first = {**more, "opens": True} if self.in_user else more  # an in_user block opens the user message
         out = [replace(Segment.skill("tools", self.header, id=TOOLS_ID), **first),
                *(replace(Segment.skill(f"tool:{t.name}", f"{self.tool_open}{self.tool_json(t)}{self.tool_close}",

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvagent.chat_format import ChatFormat, compile_template
-from kvagent.messages import ChatMessage, to_segments
+from kvagent.messages import to_segments
+from kvagent.openai_shape import chat_messages
 from kvagent.segments import Renderer, Segment
 from kvagent.tools import ToolCall
 from kvagent.tools.format import ToolFormat, openai_tool
@@ -85,15 +86,9 @@ def conversation(parallel: bool) -> list[dict[str, Any]]:
             {"role": "user", "content": "Thanks!"}]
 
 
-def as_chat(messages: list[dict[str, Any]]) -> list[ChatMessage]:
-    return [ChatMessage(m["role"], m["content"], name=m.get("name"), tool_call_id=m.get("tool_call_id"),
-                        tool_calls=tuple(ToolCall(c["function"]["name"], c["function"]["arguments"], c["id"])
-                                         for c in m.get("tool_calls", ()))) for m in messages]
-
-
 def kvagent_text(chat: ChatFormat, found: ToolFormat, messages: list[dict[str, Any]], *,
                  tools: bool = True) -> str:
-    segs = to_segments(as_chat(messages), tool_format=found)
+    segs = to_segments(chat_messages(messages), tool_format=found)
     prompt = [segs[0], *(found.segments(TOOLS) if tools else []), *segs[1:], Segment.reply()]
     return "".join(map(chr, Renderer(Characters(), chat, tools=found).render(prompt).tokens))
 
