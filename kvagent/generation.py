@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
@@ -82,11 +83,29 @@ class ReplyTokens:
 
     def resolve(self, seg: Segment) -> Segment:
         """``seg`` with the exact tokens when it is an assistant turn this session generated."""
-        if seg.kind is SegmentKind.TURN and seg.role == "assistant" and seg.token_ids is None:
+        if _is_reply(seg) and seg.token_ids is None:
             ids = self._ids.get(seg.text)
             if ids is not None:
                 return replace(seg, token_ids=ids)
         return seg
+
+    def resolve_all(self, segments: Sequence[Segment], held: Sequence[Segment] = ()) -> list[Segment]:
+        """``segments`` with each assistant turn's exact tokens: the k-th turn of a text takes the tokens of the k-th
+        turn of that text the prompt ``held`` (a model may write one text as different tokens in two turns), and
+        one ``held`` lacks those of the last turn generated with its text."""
+        queued: dict[str, deque[tuple[int, ...]]] = {}
+        for seg in held:
+            if _is_reply(seg) and seg.token_ids is not None:
+                queued.setdefault(seg.text, deque()).append(seg.token_ids)
+        out = []
+        for seg in segments:
+            found = queued.get(seg.text) if _is_reply(seg) and seg.token_ids is None else None
+            out.append(replace(seg, token_ids=found.popleft()) if found else self.resolve(seg))
+        return out
+
+
+def _is_reply(seg: Segment) -> bool:
+    return seg.kind is SegmentKind.TURN and seg.role == "assistant"
 
 
 class TurnHost(Protocol):

@@ -136,7 +136,7 @@ class Session:
         the prompt's tokens, the reply budget that fits (clipped to the context; with eviction, as asked) and the
         KV cells it may add beyond what is cached. Raises :class:`ContextOverflowError` (nothing changed) when
         no reply fits. Reads only: safe beside running work."""
-        rendered = self.renderer.render([*(self.replies.resolve(s) for s in segments), Segment.reply()])
+        rendered = self.renderer.render([*self.replies.resolve_all(segments, self._segments), Segment.reply()])
         tokens = rendered.tokens  # SegmentOrderError on a bad order
         closing = self.renderer.closing_length("assistant") + 1
         n_ctx, evictor = self.n_ctx, self.cache.evictor
@@ -247,7 +247,7 @@ class Session:
                      bring: Callable[[Rendered], Work[PrefillReport]]) -> Work[PrefillReport]:
         """Make ``segments`` the prompt, the cache brought to it by ``bring`` (a sync, or a rebase)."""
         self._check_open()
-        segments = attach_tools(self.renderer, [self.replies.resolve(s) for s in segments])
+        segments = attach_tools(self.renderer, self.replies.resolve_all(segments, self._segments))
         rendered = self.renderer.render(segments)  # validates before anything changes
         report = yield from bring(rendered)
         self._segments, self._rendered = segments, rendered
@@ -385,7 +385,7 @@ class Session:
         replies in the schema, one that must call only calls."""
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         extra = [Segment.user(user)] if user is not None else []
-        base = attach_tools(self.renderer, [self.replies.resolve(s) for s in segments]) if segments is not None else None
+        base = attach_tools(self.renderer, self.replies.resolve_all(segments, self._segments)) if segments is not None else None
         constraint, called = None, None
         if tools or response_schema is not None:
             from kvagent.tools.choice import ToolChoice, callable_tools, turn_grammar

@@ -118,8 +118,11 @@ def align_spans(old: Sequence[int], old_starts: Sequence[int], new: Sequence[int
                 k: int = K, min_gap: int = MIN_GAP) -> list[Hunk]:
     """:func:`align`, segment-aware: the prompts are cut into segments (``*_starts``: the first position of each, in
     order), whole segments are matched first (a longest-common-subsequence over their token runs, as ``difflib``
-    does), and :func:`align` runs inside each stretch of segments that differ. A message cleared, dropped or
-    summarised is then found as such even where its text shares a phrase with a later one."""
+    does), and :func:`align` runs inside each stretch of segments that differ one for one (a message edited in
+    place: a clock line, a cleared result). A stretch whose segments were dropped, added or summarised into fewer is
+    one region of whole segments: a turn that goes keeps none of its cells (the turn headers it shares with the new
+    text are not worth aligning). A message cleared, dropped or summarised is then found as such even where its text
+    shares a phrase with a later one."""
     a, b = _cut(old, old_starts), _cut(new, new_starts)
     ends_a, ends_b = _ends(a), _ends(b)
     hunks: list[Hunk] = []
@@ -128,6 +131,9 @@ def align_spans(old: Sequence[int], old_starts: Sequence[int], new: Sequence[int
         if tag == "equal":
             continue
         o0, o1, n0, n1 = ends_a[i1], ends_a[i2], ends_b[j1], ends_b[j2]
+        if i2 - i1 != j2 - j1:  # segments dropped, added, or several summarised into one: whole segments
+            hunks.append(Hunk(o0, o1, n0, n1))
+            continue
         hunks += [Hunk(h.old_start + o0, h.old_end + o0, h.new_start + n0, h.new_end + n0)
                   for h in align(old[o0:o1], new[n0:n1], k=k, min_gap=min_gap)]
     return _merge(hunks, min_gap)

@@ -115,6 +115,8 @@ def refusal(old: Rendered, new: Rendered, hunks: list[Hunk], frozen: Frozen, max
         for span in old.spans:
             if span.last < h.old_start or span.first >= max(h.old_end, h.old_start + 1):
                 continue
+            if h.old_start <= span.first and span.last < h.old_end:
+                continue  # the whole span goes (a summarised or dropped turn): none of its cells is kept or moved
             if span.kind is SegmentKind.SKILL:
                 return f"a change inside a transplanted skill or tool spec ({span.segment_id})"
             reason = frozen(span)

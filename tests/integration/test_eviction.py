@@ -933,7 +933,7 @@ def against_scratch(engine: Engine) -> AgainstScratch:
     return _AGAINST[engine.model.name]
 
 
-@pytest.mark.parametrize("drift", [0.0, 0.05])
+@pytest.mark.parametrize("drift", [0.0, pytest.param(0.05, marks=pytest.mark.full)])  # fast tier: one drift
 @pytest.mark.parametrize("model", MODELS)
 def test_incremental_surprise_equals_the_from_scratch_pass(engines: dict[str, Engine], model: str, drift: float) -> None:
     """drift=0 (every row's vocabulary head recomputed): the online-softmax state, updated with the new keys

@@ -125,3 +125,19 @@ def test_segments_are_matched_before_tokens() -> None:
     starts = lambda segments: [sum(len(s) for s in segments[:i]) for i in range(len(segments))]  # noqa: E731
     hunks = align_spans(old, starts(old_segments), new, starts(new_segments))
     assert hunks == [Hunk(302, 522, 302, 303)] and apply(old, new, hunks) == new  # the closing token kept
+
+
+def test_turns_summarised_into_one_are_one_region_of_whole_segments() -> None:
+    # three turns (each opening with the same header tokens) replaced by one summary turn: the headers are not
+    # aligned across turns; the three go whole and the summary comes whole, so no turn is cut inside
+    header = [1, 2, 3, 4, 5]
+    system = list(range(1000, 1100))
+    turns = [[*header, *range(100 * i, 100 * i + 40)] for i in (2, 3, 4)]
+    summary = [*header, *range(9000, 9030)]
+    tail = [*header, *range(600, 650)]
+    old_segments, new_segments = [system, *turns, tail], [system, summary, tail]
+    old = [t for s in old_segments for t in s]
+    new = [t for s in new_segments for t in s]
+    starts = lambda segments: [sum(len(s) for s in segments[:i]) for i in range(len(segments))]  # noqa: E731
+    hunks = align_spans(old, starts(old_segments), new, starts(new_segments))
+    assert hunks == [Hunk(100, 235, 100, 135)] and apply(old, new, hunks) == new

@@ -29,7 +29,7 @@ BENCH = "kvagent_bench"
 # the product: the core and every adapter but the benchmarks
 PRODUCT = [*MODULES, *(p for name, paths in ADAPTERS.items() if name != BENCH for p in paths)]
 # what an adapter may import of another (a declared dependency): the benchmarks run kvagent's server
-MAY_IMPORT = {BENCH: ("kvagent_server",)}
+MAY_IMPORT = {BENCH: ("kvagent_server", "langchain_kvagent")}  # the benchmarks drive the adapters they measure
 BACKEND = "kvagent.backends.llama_cpp"
 # the torch oracle (its checks and export): for tests, benchmarks and their commands; the torch transformer it
 # checks (kvagent.transformer) is product code, which the torch eviction policies run

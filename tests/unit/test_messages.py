@@ -74,3 +74,24 @@ def test_a_session_holding_only_adapter_segments_gets_the_messages_after_them() 
 def test_an_empty_session_gets_the_adapter_segments_before_the_turns() -> None:
     planned = MessageLog().plan([], [USER], [Segment.field("status", "open")])
     assert [s.kind for s in planned] == [SegmentKind.FIELD, SegmentKind.TURN]
+
+
+@pytest.mark.parametrize("held, resent, expected", [
+    # a model wrote one text as different tokens in two turns: each resent turn takes its own turn's tokens
+    ([("A", (1, 2)), ("A", (3,))], ["A", "A"], [(1, 2), (3,)]),
+    # the first of them dropped (a summary): the k-th left takes the k-th held
+    ([("A", (1, 2)), ("B", (5,))], ["B"], [(5,)]),
+    # a text no held turn has: the last generated tokens of that text
+    ([("A", (1, 2))], ["C"], [(9, 9)]),
+    # more resent turns of a text than held ones: the rest take the last generated tokens
+    ([("A", (1, 2))], ["A", "A"], [(1, 2), (7,)]),
+])
+def test_resent_turns_take_the_tokens_of_the_held_turn_of_their_rank(held: list, resent: list, expected: list) -> None:
+    from kvagent.generation import ReplyTokens
+
+    replies = ReplyTokens()
+    replies.remember("C", (9, 9))
+    replies.remember("A", (7,))
+    held_segments = [Segment.assistant(text, token_ids=ids) for text, ids in held]
+    out = replies.resolve_all([Segment.assistant(t) for t in resent], held_segments)
+    assert [s.token_ids for s in out] == expected

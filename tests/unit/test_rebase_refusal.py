@@ -33,6 +33,10 @@ CASES = [
     ("more changed than half of what follows", [Hunk(300, 301, 300, 360)], "more than 50%"),
     ("too many regions", [Hunk(i, i + 1, i, i + 1) for i in range(0, 90, 10)], "9 changed regions"),
     ("a skill inserted", [Hunk(50, 50, 50, 60)], "transplants it"),
+    # a summary in place of turns: a tool call (or a skill) removed whole keeps none of its cells
+    ("a tool call removed whole", [Hunk(200, 300, 210, 210)], None),
+    ("a skill and a tool call removed whole", [Hunk(100, 300, 110, 110)], None),
+    ("a tool call cut short", [Hunk(250, 300, 260, 261)], "a tool call"),
 ]
 
 

@@ -452,13 +452,19 @@ def bench_recompute(
 @app.command("agents")
 def bench_agents(
     model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m or gemma3-270m."),
-    targets: str = typer.Option("kvagent,llama-server,llama-cpp-python", help="Engines, comma-separated: kvagent "
-                                "(kvagent serve), llama-server (llama.cpp's server, `make llama-server`; two arms: "
-                                "prompt cache, and --cache-reuse 256), llama-cpp-python (in process)."),
-    traces: str = typer.Option("clock,memory,cleared,summary,tools", help="Agent traces, comma-separated."),
+    targets: str = typer.Option(None, help="Engines, comma-separated: kvagent (kvagent serve), llama-server "
+                                "(llama.cpp's server, `make llama-server`; two arms: prompt cache, and --cache-reuse "
+                                "256), llama-cpp-python (in process) [default: all]. With --langchain: middleware, "
+                                "chat-model, recompute, llama-server [default: all]."),
+    traces: str = typer.Option(None, help="Agent traces, comma-separated [default: clock,memory,cleared,summary,tools; "
+                               "with --langchain: dynamic,context,summary,tools]."),
     turns: int = typer.Option(8, min=1, max=8, help="Turns of each trace (the first is cold)."),
+    langchain: bool = typer.Option(False, "--langchain", help="LangChain v1 agents (create_agent) with their own "
+                                   "middlewares, on kvagent with and without KVCacheMiddleware and on llama-server "
+                                   "(ChatOpenAI), and a thread resumed from KVCheckpointer."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
-                                   "bench/results/agents-<model>.json; rows of other arms and traces are kept)."),
+                                   "bench/results/agents-<model>.json, or agents-langchain-<model>.json; rows of other "
+                                   "arms and traces are kept)."),
 ) -> None:
     """Agents that change their own prompt between turns (the time line, a memory block, cleared tool results, a
     summary, the tools bound), sent through the openai client: prompt tokens each engine computes and TTFT per turn."""
@@ -468,8 +474,14 @@ def bench_agents(
     if model not in REGISTRY:
         console.print(f"[red]error:[/] unknown model {model!r}: use {', '.join(REGISTRY)}")
         raise typer.Exit(2)
-    json_path = json_path or agents.default_json(model)
     names = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    if langchain:
+        _bench_langchain_agents(model, names(targets or ",".join(lc_arms())), names(traces or ",".join(lc_traces())),
+                                json_path)
+        return
+    targets = targets or "kvagent,llama-server,llama-cpp-python"
+    traces = traces or "clock,memory,cleared,summary,tools"
+    json_path = json_path or agents.default_json(model)
     with console.status("agents benchmark") as status:
         try:
             doc = agents.run(model, names(targets), names(traces), turns, json_path, command_line(),
@@ -489,6 +501,49 @@ def bench_agents(
                  "TTFT / kvagent's", "cold TTFT ms"), table)
     console.print("medians over the changed turns (1 on); computed = prompt_tokens - cached_tokens as each engine "
                   "reports them")
+    for key, message in doc["errors"].items():
+        console.print(f"[red]{key}:[/] {message[:300]}")
+
+
+def lc_arms() -> tuple[str, ...]:
+    from kvagent_bench.lc_agents import ARMS
+
+    return ARMS
+
+
+def lc_traces() -> tuple[str, ...]:
+    from kvagent_bench.lc_agents import TRACES
+
+    return TRACES
+
+
+def _bench_langchain_agents(model: str, arms: list[str], traces: list[str], json_path: Path | None) -> None:
+    from kvagent_bench import lc_agents
+
+    unknown = sorted({*arms} - set(lc_agents.ARMS)) + sorted({*traces} - set(lc_agents.TRACES))
+    if unknown:
+        console.print(f"[red]error:[/] unknown arms or traces {', '.join(unknown)}: arms {', '.join(lc_agents.ARMS)}, "
+                      f"traces {', '.join(lc_agents.TRACES)}")
+        raise typer.Exit(2)
+    json_path = json_path or lc_agents.default_json(model)
+    with console.status("LangChain agents benchmark") as status:
+        doc = lc_agents.run(model, arms, traces, json_path, command_line(), log=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    lc_agents.plot(doc["rows"], doc["summary"], plot_path, model)
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print_table(f"LangChain create_agent, {model} ({json_path}, {plot_path})",
+                ("arm / trace", "calls", "median prompt", "median computed", "max computed", "median TTFT ms",
+                 "run wall s", "x llama-server", "x chat model", "answers = recompute"),
+                [[key, str(v["calls"]), f"{v['prompt_median']:.0f}", f"{v['computed_median']:.0f}",
+                  str(v["computed_max"]), f"{v['ttft_s_median'] * 1e3:.0f}", f"{v['wall_s']:.1f}",
+                  fmt(v.get("wall_x_vs_llama-server"), ".1f"), fmt(v.get("wall_x_vs_chat-model"), ".1f"),
+                  fmt(v["answers_equal_recompute"], ".2f")] for key, v in doc["summary"].items()])
+    resumed = doc.get("resume")
+    if resumed:
+        console.print(f"resume at {resumed['held_tokens']} tokens: first call TTFT "
+                      f"{resumed['checkpointer']['first_call']['ttft_s'] * 1e3:.0f} ms from the checkpointer vs "
+                      f"{resumed['cold']['first_call']['ttft_s'] * 1e3:.0f} ms cold ({resumed['ttft_x']:.1f}x); "
+                      f"logits equal: {resumed['logits_equal']}")
     for key, message in doc["errors"].items():
         console.print(f"[red]{key}:[/] {message[:300]}")
 

@@ -1,7 +1,9 @@
 """LangChain and LangGraph on kvagent: a chat model whose KV cache stays alive across turns.
 
 ``ChatKVAgent`` (``chat_models``) is the chat model; ``KVAgentStateRunnable`` (``state``) runs it on a
-chain's or graph's state dict, turning changed fields into errata; ``registry`` shares engines per
+chain's or graph's state dict, turning changed fields into errata; ``KVCacheMiddleware`` (``middleware``) keeps its
+cache per thread in a LangChain v1 agent, and ``KVCheckpointer`` (``checkpoint``) keeps each thread's snapshot beside
+its LangGraph checkpoints; ``registry`` shares engines per
 (model, settings) across the process; ``desktop`` is the Textual desktop agent (the ``desktop`` extra).
 """
 
@@ -15,6 +17,8 @@ if TYPE_CHECKING:
     from langchain_kvagent.errors import (SkillNotCompiledError, UndeclaredFieldError, UnknownSessionError,
                                           UnknownSkillError)
     from langchain_kvagent.registry import Turn
+    from langchain_kvagent.checkpoint import KVCheckpointer, SnapshotModelError
+    from langchain_kvagent.middleware import KVCacheMiddleware, NotKVAgentModelError
     from langchain_kvagent.state import KVAgentStateRunnable
 
 # the public names and their modules, imported on first use: `kvagent --help` loads this package's command
@@ -22,7 +26,8 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "DEFAULT_SESSION": "chat_models", "ChatKVAgent": "chat_models", "KVAgentStateRunnable": "state", "Turn": "registry",
     "SkillNotCompiledError": "errors", "UndeclaredFieldError": "errors", "UnknownSessionError": "errors",
-    "UnknownSkillError": "errors",
+    "UnknownSkillError": "errors", "KVCacheMiddleware": "middleware", "NotKVAgentModelError": "middleware",
+    "KVCheckpointer": "checkpoint", "SnapshotModelError": "checkpoint",
 }
 
 
@@ -38,7 +43,11 @@ __all__ = [
     "DEFAULT_SESSION",
     "ChatKVAgent",
     "KVAgentStateRunnable",
+    "KVCacheMiddleware",
+    "KVCheckpointer",
+    "NotKVAgentModelError",
     "SkillNotCompiledError",
+    "SnapshotModelError",
     "Turn",
     "UndeclaredFieldError",
     "UnknownSessionError",

@@ -200,9 +200,10 @@ class ChatKVAgent(BaseChatModel):
         if session_id is not None:
             return str(session_id)
         configurable = ensure_config(config).get("configurable") or {}
-        for name in ("session_id", "thread_id"):
-            if configurable.get(name) is not None:
-                return str(configurable[name])
+        if configurable.get("session_id") is not None:
+            return str(configurable["session_id"])
+        if configurable.get("thread_id") is not None:
+            return self.conversations.thread_key(str(configurable["thread_id"]))
         return DEFAULT_SESSION
 
     def _lift(self, config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:

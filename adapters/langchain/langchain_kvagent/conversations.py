@@ -29,6 +29,9 @@ from langchain_kvagent.skills import skill_files, skill_segment
 
 
 
+SIDE = "#side"
+
+
 class ChatSettings(Protocol):
     """What the conversations read of their chat model (``ChatKVAgent``'s fields)."""
 
@@ -71,6 +74,18 @@ class Conversations:
     def __init__(self, model: ChatSettings) -> None:
         self.model, self.owner = model, uuid.uuid4().hex  # the owner: this chat model's namespace of the table
         self._finalizer: Any = None
+        self.claimed: set[str] = set()
+        """Threads whose session an agent middleware keys itself (``langchain_kvagent.middleware``)."""
+
+    def claim(self, thread: str) -> None:
+        """Session ``thread`` is an agent's: other calls on that thread's config get :meth:`thread_key`'s side one."""
+        self.claimed.add(thread)
+
+    def thread_key(self, thread: str) -> str:
+        """The session a call keyed only by LangGraph's ``thread_id`` uses: the thread's own, or, where an agent
+        middleware claimed it, ``f"{thread}{SIDE}"``, so a side call made on the thread's config (a tool selector's,
+        a summarizer's) does not replace the agent's prompt."""
+        return f"{thread}{SIDE}" if thread in self.claimed else thread
 
     def slot(self) -> EngineSlot:
         m = self.model

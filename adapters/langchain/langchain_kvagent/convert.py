@@ -63,7 +63,8 @@ def usage_metadata(cost: Cost) -> UsageMetadata:
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens")
 
 
-TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "ls_structured_output_format")
+TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "ls_structured_output_format",
+                "tool_universe")
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def parse_call(model: Any, messages: list[BaseMessage], stop: list[str] | None, 
     options = {k: kwargs.get(k, getattr(model, k)) for k in ("temperature", "top_p", "top_k", "seed")}
     options["stop"] = list(stop if stop is not None else model.stop or [])
     chat = to_chat_messages(messages)
-    tools, segments = toolsets.get(kwargs["tools"]) if kwargs.get("tools") else (None, ())
+    tools, segments = shown_tools(kwargs.get("tools"), kwargs.get("tool_universe"), toolsets)
     if tools is not None:
         choice, callable_ = kwargs.get("tool_choice") or "auto", tools
         policy = getattr(model, "auto_tools", "free")
@@ -127,6 +128,20 @@ def parse_call(model: Any, messages: list[BaseMessage], stop: list[str] | None, 
     if schema is not None:
         options["response_schema"] = schema
     return Call(key, chat, int(kwargs.get("max_tokens", model.max_tokens)), options, tools, segments)
+
+
+def shown_tools(bound: Sequence[dict[str, Any]] | None, universe: Sequence[dict[str, Any]] | None,
+                toolsets: ToolSets) -> tuple[ToolSet | None, tuple[Segment, ...]]:
+    """The tools a call may call (None: none) and the segments that describe tools to the model. Without a
+    ``universe`` those are the bound tools'; with one (OpenAI tool dicts, e.g. every tool of an agent whose
+    middleware binds a different subset each call) the prompt describes the universe (and any bound tool it lacks),
+    so a changed subset leaves the prompt as it was, and the grammar holds calls to the bound ones."""
+    if not universe:
+        return toolsets.get(bound) if bound else (None, ())
+    names = {t["function"]["name"] for t in universe}
+    extra = [t for t in bound or () if t["function"]["name"] not in names]
+    _, segments = toolsets.get([*universe, *extra])
+    return (ToolSet([dict(t) for t in bound]) if bound else None), segments
 
 
 def metadata(model_name: str, gen: Generation, cost: Cost, key: str) -> dict[str, Any]:

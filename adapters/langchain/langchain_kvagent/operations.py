@@ -155,22 +155,42 @@ def set_eviction(entry: SessionEntry, eviction: Eviction | None, open_session: C
     yield old.close
 
 
-def save(entry: SessionEntry, path: Path) -> Operation[int]:
-    """Write the conversation (KV, prompt, history) as a snapshot; returns the bytes written."""
+def opened(entry: SessionEntry) -> Operation[None]:
+    """Nothing: the session is open once the operation runs (its prologue prefilled)."""
+    return None
+    yield  # pragma: no cover - an operation without steps
+
+
+def snapshot(entry: SessionEntry, meta: Mapping[str, Any] | None = None) -> Operation[Snapshot]:
+    """The conversation (KV, prompt, history, the bound tools' segments) as a :class:`Snapshot`; ``meta`` is added to
+    its adapter data."""
     blob = yield entry.live.save_work()
     skills = [s.name for s in entry.skills if s.name]
-    snapshot = Snapshot(tuple(entry.live.segments), tuple(entry.conversation.messages), blob, {"skills": skills})
-    return (yield lambda: snapshot.write(path))  # type: ignore[no-any-return]
+    tools = [s.id for s in entry.conversation.tools]
+    return Snapshot(tuple(entry.live.segments), tuple(entry.conversation.messages), blob,
+                    {**(meta or {}), "skills": skills, "tools": tools})
+
+
+def save(entry: SessionEntry, path: Path) -> Operation[int]:
+    """Write the conversation (KV, prompt, history) as a snapshot; returns the bytes written."""
+    taken: Snapshot = yield from snapshot(entry)
+    return (yield lambda: taken.write(path))  # type: ignore[no-any-return]
 
 
 def load(entry: SessionEntry, path: Path) -> Operation[None]:
     """Restore a snapshot :func:`save` wrote (checked before anything changes)."""
-    snapshot: Snapshot = yield lambda: Snapshot.read(path)
+    read: Snapshot = yield lambda: Snapshot.read(path)
+    yield from restore(entry, read)
+
+
+def restore(entry: SessionEntry, snapshot: Snapshot) -> Operation[None]:
+    """Bring the session to ``snapshot`` (its KV checked before anything changes; without KV, prefilled again)."""
     segments: Sequence[Segment] = snapshot.segments
     if snapshot.blob is not None:
         yield entry.live.restore_work(snapshot.blob, segments)
     else:  # saved without KV: prefilled again
         yield entry.live.replace_work(segments)
-    entry.conversation.restore(snapshot.messages)
+    tools = set(snapshot.meta.get("tools", []))
+    entry.conversation.restore(snapshot.messages, [s for s in segments if s.id in tools])
     names = set(snapshot.meta.get("skills", []))
     entry.skills = [s for s in segments if s.name in names and s.kind.value == "skill"]

@@ -1,5 +1,5 @@
 """The adapter's examples run (smoke tests, short replies): examples/langchain_fields.py, langgraph_agent.py,
-and the desktop agent's scripted screenshot."""
+langchain_create_agent.py, and the desktop agent's scripted screenshot."""
 
 from __future__ import annotations
 
@@ -55,3 +55,13 @@ def test_memory_example(position: str, capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "the model called memory_append(" in out and "memory block 'human' updated" in out
     assert len(rows) == 2 and all(r["cache_read"] > 0.5 * r["input_tokens"] for r in rows)  # the edits kept the cache
+
+
+def test_create_agent_example(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = load("langchain_create_agent").main(max_tokens=32)
+    out = capsys.readouterr().out
+    live = [r for r in rows if not r["resumed"]]
+    assert len(live) >= 4 and "[alice, resumed by another worker]" in out
+    assert all(r["computed"] < r["input_tokens"] / 2 for r in live[1:])  # every later call edited, not rebuilt
+    resumed = [r for r in rows if r["resumed"]]
+    assert resumed[0]["restored"] and resumed[0]["computed"] < resumed[0]["input_tokens"] / 4
