@@ -28,7 +28,8 @@ from langchain_kvagent import ChatKVAgent, KVCacheMiddleware, KVCheckpointer
 MODEL = "qwen2.5-coder-0.5b"
 PROFILES = {"alice": "Alice Moreau, gold tier since 2021, prefers email", "bruno": "Bruno Rossi, new customer"}
 ORDERS = {"A-1042": ("shipped", "DHL"), "B-2210": ("delivered", "UPS")}
-QUESTIONS = ["Where is my order A-1042?", "When will it arrive?", "Thanks! Can you open a ticket about the delay?"]
+QUESTIONS = ["Please look up my order A-1042 with the lookup_order tool.", "Which carrier has it? Get me its shipping ETA.",
+             "Thanks! Open a ticket about the delay with open_ticket."]
 
 
 @tool
