@@ -77,7 +77,8 @@ MADE: list[ChatKVAgent] = []
 
 
 def chat_model(name: str, **kw: Any) -> ChatKVAgent:
-    settings = {"model": name, "n_ctx": 4096, "n_seq_max": 12, "max_tokens": 40,
+    # an engine of this module's own (its pool is not the other adapter tests', whose sessions stay open)
+    settings = {"model": name, "n_ctx": 6144, "n_seq_max": 10, "max_tokens": 40,
                 "auto_tools": "once" if name.startswith("qwen") else "each_once"}
     MADE.append(ChatKVAgent(**{**settings, **kw}))
     return MADE[-1]
@@ -212,8 +213,9 @@ def test_without_the_middleware_a_changed_tool_subset_recomputes_the_tools() -> 
     from the first changed one; the middleware keeps every spec in place and holds the grammar to the subset."""
     plain, _, _ = run_agent(chat_model("smollm2-135m"), REWRITES["tool subset"](), "subset-plain", kv=False)
     kept, _, _ = run_agent(chat_model("smollm2-135m"), REWRITES["tool subset"](), "subset-kept")
-    assert sum(r["computed"] for r in kept.rows[1:]) * 3 < sum(r["computed"] for r in plain.rows[1:]), (kept.rows,
-                                                                                                        plain.rows)
+    over = lambda rows: [r for r in rows[1:] if r["computed"] > r["changed"] + SLACK]  # noqa: E731
+    assert over(plain.rows) and not over(kept.rows), (kept.rows, plain.rows)
+    assert sum(r["computed"] for r in kept.rows[1:]) < sum(r["computed"] for r in plain.rows[1:])
 
 
 @pytest.mark.full
