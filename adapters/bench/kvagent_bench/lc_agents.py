@@ -117,10 +117,13 @@ def _middlewares(trace: str, model: Any, base: str) -> list[Any]:
             return handler(request.override(tools=pick))
 
     size = len(base) // 4  # LangChain's approximate count: ~4 characters a token
-    return {"dynamic": [clocked], "context": [static, ContextEditingMiddleware(edits=[ClearToolUsesEdit(
-        trigger=size + 500, keep=1)])], "summary": [static, SummarizationMiddleware(
-            model=model, trigger=("messages", 9), keep=("messages", 4))],
-            "tools": [static, KeywordSelector()]}[trace]
+    if trace == "dynamic":
+        return [clocked]
+    if trace == "context":
+        return [static, ContextEditingMiddleware(edits=[ClearToolUsesEdit(trigger=size + 500, keep=1)])]
+    if trace == "summary":
+        return [static, SummarizationMiddleware(model=model, trigger=("messages", 9), keep=("messages", 4))]
+    return [static, KeywordSelector()]
 
 
 class Script:
