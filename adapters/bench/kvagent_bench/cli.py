@@ -552,6 +552,39 @@ def _bench_langchain_agents(model: str, arms: list[str], traces: list[str], json
 app.command("load")(server_cli.bench_load)
 app.command("peer")(server_cli.bench_peer)
 app.command("peer-decisions")(server_cli.bench_peer_decisions)
+app.command("proxy")(server_cli.bench_proxy)
+
+
+@app.command("proxy-fidelity")
+def bench_proxy_fidelity(
+    models: str = typer.Option(",".join(("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")),
+                               help="Registry models, comma-separated."),
+    cases: int = typer.Option(8, min=1, help="Cases per held-out template (and downstream)."),
+    downstreams: str = typer.Option("short", help="Downstream notes: short, long, or both comma-separated."),
+    role: str = typer.Option("system", help="The erratum message's role: system or user."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
+                                   "bench/results/proxy-fidelity.json)."),
+) -> None:
+    """Decisions after a change forwarded in the proxy's erratum layout against the same change recomputed in place,
+    on the held-out decision templates, per model."""
+    from kvagent.models import REGISTRY
+    from kvagent_bench import proxy_fidelity
+
+    chosen = [m.strip() for m in models.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in REGISTRY]
+    parts = [d.strip() for d in downstreams.split(",") if d.strip()]
+    if not chosen or unknown or not parts or set(parts) - {"short", "long"} or role not in ("system", "user"):
+        console.print(f"[red]error:[/] models from {', '.join(REGISTRY)}; downstreams short,long; role system|user")
+        raise typer.Exit(2)
+    json_path = json_path or proxy_fidelity.default_json()
+    with console.status("proxy fidelity") as status:
+        doc = proxy_fidelity.run(chosen, cases, parts, json_path, command_line(), role=role,
+                                 progress=lambda m: status.update(m))
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    print_table(f"the proxy's erratum layout vs the change recomputed in place ({json_path})",
+                ("model", "template", "cases", "flips", "recovered", "agree", "oracle right", "proxy right"),
+                [[r["model"], r["template"], str(r["cases"]), str(r["flips"]), str(r["recovered"]), fmt(r["agree"]),
+                  fmt(r["oracle_right"]), fmt(r["proxy_right"])] for r in doc["summary"]])
 
 
 @app.command("implicit")

@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Path as PathParam, Query, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from kvagent.aio import AsyncEngine
@@ -34,14 +32,14 @@ from kvagent.errors import (ChatTemplateError, ContextOverflowError, EvictionErr
 from kvagent.models import private_dir
 from kvagent.scheduler import EngineClosedError
 
-from kvagent_server import chat, sessions_api
-from kvagent_server.config import ServerConfig, is_loopback
-from kvagent_server.errors import ServerError, error_body
+from kvagent_server import chat, handlers, sessions_api
+from kvagent_server.config import ServerConfig
+from kvagent_server.errors import error_body
 from kvagent_server.gate import Gate
 from kvagent_server.metrics import Metrics
 from kvagent_server.schemas import SESSION_ID, ChatRequest, FieldsSet, MemoryEditIn, SessionCreate, SkillInclude
 from kvagent_server.state import ServerState
-from kvagent_server.tenants import ConfigError, Tenant, Tenants, load_secret
+from kvagent_server.tenants import ConfigError, Tenant, Tenants, check_start, load_secret
 
 log = logging.getLogger(__name__)
 UNPROCESSABLE = (FieldValueError, SegmentOrderError, EvictionError, SkillFileError, ChatTemplateError, KVBlobError,
@@ -51,16 +49,14 @@ _RESTORE_BODY = {"requestBody": {"required": True, "content": {"application/octe
     "schema": {"type": "string", "format": "binary"}}}}}
 
 
-def check_start(config: ServerConfig) -> None:
-    """Refuse, before anything loads, a server that would be open to others without keys."""
-    if not config.authenticated and not is_loopback(config.host):
-        raise ConfigError(f"--host {config.host} serves other machines, and this server has no keys: give it "
-                          "--keys FILE (tenants with hashed keys) or --api-key, or listen on 127.0.0.1")
-
-
 def create_app(config: ServerConfig | None = None, *, engine: AsyncEngine | None = None) -> FastAPI:
-    """The server as an ASGI app (see the module docstring); :class:`ConfigError` for settings it cannot start with."""
+    """The server as an ASGI app (see the module docstring); :class:`ConfigError` for settings it cannot start with.
+    With ``config.upstream``: the proxy in front of those engines (``kvagent_server.proxy``)."""
     config = config or ServerConfig()
+    if config.upstream and engine is None:
+        from kvagent_server.proxy import create_proxy_app
+
+        return create_proxy_app(config)
     check_start(config)
     tenants = Tenants(config)  # ConfigError naming the keys file
     secret = load_secret(config.secret_file)
@@ -196,49 +192,8 @@ def _routes(app: FastAPI) -> None:
         return Response(status_code=204)
 
 
-def _message(e: dict[str, Any], param: str) -> str:
-    kind = e.get("type")
-    if kind == "extra_forbidden":
-        return f"{param}: not supported by kvagent serve (refused, never ignored): leave it out"
-    if kind == "none_required":
-        return f"{param}: not supported by kvagent serve: leave it out or send null"
-    if param == "seed" and kind == "greater_than_equal":
-        return "seed: a non-negative integer (leave seed out for a random one; -1 is llama.cpp's 'random', not OpenAI's)"
-    return f"{param}: {e.get('msg', 'invalid')}"
-
-
 def _errors(app: FastAPI) -> None:
-    @app.exception_handler(ServerError)
-    async def server_error(request: Request, exc: ServerError) -> JSONResponse:
-        log.info("refused (%d): %s", exc.status, exc.message)
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status, headers=exc.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = {404: f"no route {request.url.path[:200]}: see GET /openapi.json",
-                   405: f"{request.method} is not allowed on {request.url.path[:200]}"}.get(exc.status_code,
-                                                                                            str(exc.detail))
-        return JSONResponse(error_body(message, kind, None, str(exc.status_code)), exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            detail = next(e for e in errors if e.get("type") == "json_invalid")
-            where = detail.get("loc", ())
-            ctx = detail.get("ctx", {}).get("error", "")
-            message = f"the body is not valid JSON ({ctx or 'parse error'} at {where[-1] if where else '?'})"
-            return JSONResponse(error_body(message, "invalid_request_error", None, "json_invalid"), 400)
-        parts = []
-        first_param = None
-        for e in errors[:8]:
-            loc = [str(x) for x in e.get("loc", ()) if x not in ("body", "path", "query")]
-            param = ".".join(loc) or "body"
-            first_param = first_param or param
-            parts.append(_message(e, param))
-        return JSONResponse(error_body("; ".join(parts), "invalid_request_error", first_param, "invalid_value"), 422)
+    handlers.install(app, "see GET /openapi.json")
 
     @app.exception_handler(KVAgentError)
     async def kvagent_error(request: Request, exc: KVAgentError) -> JSONResponse:
@@ -256,12 +211,6 @@ def _errors(app: FastAPI) -> None:
                                 headers={"Retry-After": str(retry)})
         log.error("request failed: %s", message, exc_info=exc)
         return JSONResponse(error_body(message, "server_error", None, type(exc).__name__), 500)
-
-    @app.exception_handler(Exception)
-    async def fault(request: Request, exc: Exception) -> JSONResponse:
-        log.error("request to %s failed", request.url.path, exc_info=exc)
-        return JSONResponse(error_body("the server failed on this request: retry, and report it if it happens again",
-                                       "server_error", None, "internal_error"), 500)
 
 
 def _route(path: str) -> str:

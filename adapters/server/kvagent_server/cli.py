@@ -45,6 +45,14 @@ def serve(
                                             "preempted when another request arrives (0: chunks of 64 always)."),
     auto_tools: str = typer.Option("free", help="tool_choice auto: free, or once (a tool called since the last user "
                                    "message may not be called again; for small models that repeat their call)."),
+    upstream: list[str] = typer.Option([], "--upstream", help="An OpenAI-compatible engine to forward to "
+                                       "(repeatable: sessions stick to one), e.g. vLLM's http://127.0.0.1:8001/v1; "
+                                       "--model then names its tokenizer and --n-ctx its context (docs/remote.md)."),
+    upstream_model: str = typer.Option(None, help="The model id the engines serve (default: --model)."),
+    upstream_key: str = typer.Option(None, envvar="KVAGENT_UPSTREAM_KEY", help="Key sent to the engines "
+                                     "(or set KVAGENT_UPSTREAM_KEY)."),
+    erratum_role: str = typer.Option("system", help="Role of erratum messages: system, or user for a chat "
+                                     "template that takes a system message first only."),
     log_level: str = typer.Option("info", help="uvicorn's log level."),
 ) -> None:
     """Serve OpenAI-compatible chat completions whose sessions keep their KV cache alive."""
@@ -61,7 +69,8 @@ def serve(
                               max_tokens=max_tokens, max_body_kb=max_body_kb, max_sessions=max_sessions,
                               max_in_flight=max_in_flight, max_parked_mb=max_parked_mb, skills_dir=skills,
                               park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None,
-                              auto_tools=auto_tools)
+                              auto_tools=auto_tools, upstream=tuple(upstream), upstream_model=upstream_model,
+                              upstream_key=upstream_key, erratum_role=erratum_role)
         run(config, log_level=log_level)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}"

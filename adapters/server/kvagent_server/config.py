@@ -9,6 +9,7 @@ one checked before any tokenizing or state change (docs/server.md, "Limits").
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -124,6 +125,37 @@ class ServerConfig(BaseModel):
     """Errata a session keeps; one more folds them back into their fields (``Session.compact``)."""
     retry_after_s: int = Field(1, ge=1)
     """``Retry-After`` of a 503 (every sequence or KV cell busy, nothing idle to park) and of a 429."""
+
+    # -- in front of other engines (``kvagent serve --upstream``, ``kvagent_server.proxy``) ---------------
+    upstream: tuple[str, ...] = ()
+    """OpenAI-compatible engines (``http://host:port/v1``) to forward to instead of running ``model`` here; a
+    session sticks to one of them. ``model`` then names the model for its tokenizer (the token budget) and for
+    clients; ``n_ctx`` is the engines' context."""
+    upstream_model: str | None = None
+    """The model id the engines serve (vLLM's ``--served-model-name``); default ``model``."""
+    upstream_key: SecretStr | None = None
+    """The key this server sends to the engines (never a client's)."""
+    upstream_salt: bool = True
+    """Send each tenant's ``cache_salt`` (vLLM; engines without it ignore the field)."""
+    upstream_timeout_s: float = Field(600.0, gt=0)
+    """How long a request may wait for its engine (and for its session's previous request)."""
+    erratum_role: Literal["system", "user"] = "system"
+    """The role of erratum messages: ``user`` for a chat template that takes a system message first only."""
+    inplace_tail_chars: int = Field(1024, ge=0)
+    """A change within this many characters of the end is forwarded in place, not as an erratum."""
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for url in urls:
+            url = url.strip().rstrip("/")
+            if not re.match(r"^https?://[^/\s]+(/[^\s]*)?$", url):
+                raise ValueError(f"--upstream {url[:200]!r}: give an http(s) URL, e.g. http://127.0.0.1:8001/v1")
+            out.append(url if url.endswith("/v1") else url + "/v1")
+        if len(set(out)) != len(out):
+            raise ValueError("--upstream: the same engine is given twice")
+        return tuple(out)
 
     @field_validator("api_key")
     @classmethod

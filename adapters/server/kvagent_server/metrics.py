@@ -35,6 +35,11 @@ class Metrics:
         self.restored = Counter("kvagent_restores", "Parked sessions restored on their next request.", registry=r)
         self.cancelled = Counter("kvagent_cancelled_generations", "Generations cancelled (client gone) and rolled "
                                  "back.", registry=r)
+        self.layouts = Counter("kvagent_proxy_layouts", "Requests forwarded to an engine, by layout: new, append, "
+                               "inplace (a change near the end), errata, rebuild (errata folded in).", ["kind"],
+                               registry=r)
+        self.upstream_errors = Counter("kvagent_proxy_upstream_errors", "Engine failures seen by the proxy "
+                                       "(interrupted: a stream stopped mid-reply).", ["kind"], registry=r)
         self.sessions = Gauge("kvagent_sessions", "Sessions by state (active: holding a sequence; parked).", ["state"],
                               registry=r)
         self.kv_cells_used = Gauge("kvagent_kv_cells_used", "KV cells held by live sessions (shared prefixes once).",
@@ -51,6 +56,10 @@ class Metrics:
         self.sessions.labels("parked").set_function(parked)
         self.kv_cells_used.set_function(cells)
         self.kv_cells_total.set(total)
+
+    def watch_sessions(self, held: Callable[[], float]) -> None:
+        """The proxy's sessions (layouts held), read at scrape time."""
+        self.sessions.labels("layouts").set_function(held)
 
     def count_generation(self, reused: int, computed: int, transplanted: int, generated: int, ttft_s: float) -> None:
         self.prompt_tokens.labels("reused").inc(reused)

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvagent.sessions.snapshot import MIN_SECRET
 
-from kvagent_server.config import ServerConfig
+from kvagent_server.config import ServerConfig, is_loopback
 
 log = logging.getLogger(__name__)
 TENANT_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
@@ -122,6 +122,13 @@ class Tenants:
             return None
         # looked up by the key's hash: how long the lookup takes says nothing about how much of a stored key matched
         return self._by_hash.get(key_hash(token))
+
+
+def check_start(config: ServerConfig) -> None:
+    """Refuse, before anything loads, a server that would be open to others without keys."""
+    if not config.authenticated and not is_loopback(config.host):
+        raise ConfigError(f"--host {config.host} serves other machines, and this server has no keys: give it "
+                          "--keys FILE (tenants with hashed keys) or --api-key, or listen on 127.0.0.1")
 
 
 def load_keys_file(path: Path) -> list[_TenantIn]:

@@ -24,3 +24,14 @@ def core_engine() -> Iterator[Any]:
     engine = Engine.load(MODEL, n_ctx=8192, n_seq_max=40, flash_attn=True)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama-cpp-python's own server (``python -m llama_cpp.server``) on 127.0.0.1: its ``/v1`` URL."""
+    from server_helpers import free_port, llama_cpp_python_server, process
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("llama_server") / "server.log"
+    with process(llama_cpp_python_server(port), f"http://127.0.0.1:{port}/v1/models", log=log):
+        yield f"http://127.0.0.1:{port}/v1"

@@ -81,6 +81,26 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+LLAMA_SERVER_DEPS = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
+
+
+def llama_cpp_python_server(port: int, n_ctx: int = 4096) -> list[str]:
+    """The command of llama-cpp-python's own server on SmolLM2 (RAM prompt cache on, as the load benchmark runs it),
+    or a skip naming what it lacks."""
+    import importlib.util
+
+    import pytest
+
+    from kvagent.models import resolve_model
+    from kvagent_bench.server.load import LLAMA_SERVER_CACHE
+
+    missing = [m for m in LLAMA_SERVER_DEPS if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"llama_cpp.server needs {', '.join(missing)} (make installs them)")
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_model(MODEL).path), "--model_alias", MODEL,
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), *LLAMA_SERVER_CACHE]
+
+
 def kvagent_serve_args(port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "kvagent.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--model", MODEL, "--log-level", "warning", *extra]

@@ -37,7 +37,7 @@ def test_the_cli_imports_the_server_only_when_serving() -> None:
 
 
 def test_bad_options_are_refused_by_name() -> None:
-    result = CliRunner().invoke(app, ["bench", "load", "--target", "vllm"], env=ENV)
+    result = CliRunner().invoke(app, ["bench", "load", "--target", "sglang"], env=ENV)
     assert result.exit_code == 2 and "serve, remote" in result.output
     from pydantic import ValidationError
 

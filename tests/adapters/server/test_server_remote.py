@@ -9,33 +9,12 @@ llama-server, which reports its cache use, reads every earlier turn's prompt fro
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from typing import Any, Iterator
 
 import httpx
 import pytest
-from server_helpers import MODEL, free_port, process
-
-from kvagent_bench.server.load import LLAMA_SERVER_CACHE
-
-LLAMA_SERVER_DEPS = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
-
-
-@pytest.fixture(scope="module")
-def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    missing = [m for m in LLAMA_SERVER_DEPS if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"llama_cpp.server needs {', '.join(missing)} (make installs them)")
-    from kvagent.models import resolve_model
-
-    port = free_port()
-    args = [sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_model(MODEL).path), "--model_alias", MODEL,
-            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096", *LLAMA_SERVER_CACHE]
-    log = tmp_path_factory.mktemp("llama_server") / "server.log"
-    with process(args, f"http://127.0.0.1:{port}/v1/models", log=log):
-        yield f"http://127.0.0.1:{port}/v1"
+from server_helpers import MODEL, free_port
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -21,11 +22,14 @@ def bench_load(
                                    "load-quick.json with --quick, load-remote*.json for --target remote)."),
     target: str = typer.Option("serve", help="serve: `kvagent serve`; remote: llama-cpp-python's server through "
                                "kvagent's remote sessions; llama-server: llama.cpp's own server (`make llama-server`) "
-                               "through kvagent's remote sessions."),
+                               "through kvagent's remote sessions; vllm: vLLM's CPU build (`make vllm`), a plain chat "
+                               "client straight to it (inplace) and through `kvagent serve --upstream` (erratum)."),
     slots: int = typer.Option(4, min=1, max=64, help="llama-server only: its slots (-np)."),
     affinity: bool = typer.Option(True, "--affinity/--no-affinity", help="llama-server only: pin each agent to slot "
                                   "agent % slots with id_slot (off: the server picks a slot by prompt similarity)."),
     cache_reuse: int = typer.Option(0, min=0, help="llama-server only: --cache-reuse N (0: off, its default)."),
+    doc_chars: int = typer.Option(None, min=100, help="vllm only: the document's length in characters (default: "
+                                  "the same ~1,200-token document as the other targets)."),
 ) -> None:
     """The online benchmark of "Models Take Notes at Prefill" (arXiv:2606.17107): errata vs in-prefix edits under Poisson load (hit rate, p90 TTFT,
     throughput as the agent arrival rate doubles), on a server started on 127.0.0.1."""
@@ -35,15 +39,24 @@ def bench_load(
         console.print(f"[red]error:[/] unknown target {target!r}: use one of {', '.join(load.TARGETS)}")
         raise typer.Exit(2)
     options = {"slots": slots, "affinity": affinity, "cache_reuse": cache_reuse} if target == "llama-server" else {}
-    if target == "llama-server":
-        from kvagent_bench.server.llama_server import missing_reason
+    if target == "vllm" and doc_chars is not None:
+        options = {"doc_chars": doc_chars}
+    if target in ("llama-server", "vllm"):
+        from importlib import import_module
 
-        if (reason := missing_reason()) is not None:
+        missing = import_module(f"kvagent_bench.server.{target.replace('-', '_')}").missing_reason
+        if (reason := missing()) is not None:
             console.print(f"[red]error:[/] {reason}")
             raise typer.Exit(1)
     json_path = json_path or load.default_json(target, quick)
     with console.status("load benchmark") as status:
-        rows = load.run(target, quick, json_path, command_line(), progress=lambda m: status.update(m), **options)
+        factory: Any = None
+        if target == "vllm":
+            from kvagent_bench.server.load_vllm import VllmTarget
+
+            factory = VllmTarget
+        rows = load.run(target, quick, json_path, command_line(), progress=lambda m: status.update(m),
+                        factory=factory, **options)
     plot_path = json_path.with_suffix(".png")
     load.plot(rows, plot_path)
     fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
@@ -52,7 +65,7 @@ def bench_load(
         ("arm", "agents/s", "offered/s", "done/s", "p50 TTFT", "p90 TTFT", "hit", "by", "turns", "err", "cut"),
         [[r["arm"], f"{r['rate']:g}", fmt(r["offered_rps"], ".2f"), fmt(r["throughput_rps"], ".2f"),
           fmt(r["ttft_p50_s"], ".2f"), fmt(r["ttft_p90_s"], ".2f"), fmt(r["hit_rate"], ".3f"),
-          "server" if r["hit_rate_source"] == "server" else "client", str(r["completed"]), str(r["errors"]),
+          {"server": "server", "vllm-metrics": "vLLM"}.get(r["hit_rate_source"], "client"), str(r["completed"]), str(r["errors"]),
           str(r["censored"])] for r in rows],
     )
     console.print("offered/s, done/s: turns per second offered and completed; TTFT in seconds; hit: prompt tokens "
@@ -117,6 +130,49 @@ def bench_peer(
         if entry.get("throughput_ratio") is not None:
             line += f"; saturated throughput {entry['throughput_ratio']:.1f}x llama-server's"
         console.print(line)
+
+
+def bench_proxy(
+    target: str = typer.Option("vllm", help="The engine: vllm (`make vllm`) or llama-server (`make llama-server`)."),
+    turns: int = typer.Option(10, min=2, help="Turns of the held-out agent per arm."),
+    pairs: int = typer.Option(50, min=5, help="Request pairs of the overhead measure."),
+    doc_chars: int = typer.Option(11000, min=100, help="The system prompt's document, in characters (~2.9k tokens "
+                                  "with the default)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
+                                   "bench/results/proxy-<target>.json)."),
+) -> None:
+    """A plain openai client whose system prompt changes one line per turn, straight to an engine and through
+    `kvagent serve --upstream`; and the proxy's added time on an unchanged request."""
+    from importlib import import_module
+
+    from kvagent_bench.server import proxy_bench
+
+    if target not in proxy_bench.TARGETS:
+        console.print(f"[red]error:[/] unknown target {target!r}: use one of {', '.join(proxy_bench.TARGETS)}")
+        raise typer.Exit(2)
+    if (reason := import_module(f"kvagent_bench.server.{target.replace('-', '_')}").missing_reason()) is not None:
+        console.print(f"[red]error:[/] {reason}")
+        raise typer.Exit(1)
+    json_path = json_path or proxy_bench.default_json(target)
+    with console.status("proxy benchmark") as status:
+        doc = proxy_bench.run(target, json_path, command_line(), turns=turns, pairs=pairs, doc_chars=doc_chars,
+                              progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    proxy_bench.plot(doc["rows"], plot_path, f"held-out agent, one line changed per turn: {target} direct vs "
+                                              "through kvagent serve --upstream")
+    print_table(f"held-out openai client, {target} ({json_path}, {plot_path})",
+                ("arm", "turn", "TTFT s", "prompt", "cached", "engine hits / queries"),
+                [[r["arm"], str(r["turn"]), f"{r['ttft_s']:.3f}", str(r["prompt_tokens"]), str(r["cached_tokens"]),
+                  f"{r['vllm_hits']:.0f} / {r['vllm_queries']:.0f}" if "vllm_queries" in r else "-"]
+                 for r in doc["rows"]])
+    for arm, v in doc["summary"].items():
+        if isinstance(v, dict):
+            console.print(f"{arm}: hit rate {v['hit_rate']} ({v['hit_rate_source']}), median TTFT "
+                          f"{v['ttft_median_s']:.3f} s after the first turn")
+    for where in ("overhead_engine", "overhead_stub"):
+        o = doc[where]
+        console.print(f"{where}: proxy adds {o['added_median_ms']:.2f} ms median ({o['added_p90_ms']:.2f} p90) over "
+                      f"{o['pairs']} pairs; direct {o['direct_median_ms']:.2f} ms, proxied {o['proxy_median_ms']:.2f} ms")
 
 
 def bench_peer_decisions(

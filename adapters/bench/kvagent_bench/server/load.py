@@ -73,7 +73,7 @@ from kvagent_bench.server.processes import child_args, free_port, start_process,
 from kvagent_bench.server.streams import astream_chat
 
 ARMS = ("erratum", "inplace")
-TARGETS = ("serve", "remote", "llama-server")
+TARGETS = ("serve", "remote", "llama-server", "vllm")
 MODEL = "smollm2-135m"
 POLICY = ("You are the support agent of Northwind Outdoor. Answer in one short sentence, using the order "
           "state below and the customer's document.")
@@ -476,6 +476,9 @@ async def _point(target: Target, arm: str, rate: float, plan: Plan, seed: int, a
                  first_index: int) -> dict[str, Any]:
     offsets = arrivals(rate, plan.agents, seed)
     records: list[TurnRecord] = []
+    started, finished = getattr(target, "point_started", None), getattr(target, "point_row", None)
+    if started is not None:
+        await started()
     t0 = time.perf_counter() + 0.05
     tasks = [asyncio.ensure_future(_agent_run(target, first_index + i, arm, plan, t0, off, records))
              for i, off in enumerate(offsets)]
@@ -488,8 +491,11 @@ async def _point(target: Target, arm: str, rate: float, plan: Plan, seed: int, a
         r.start -= t0
         r.first = None if r.first is None else r.first - t0
         r.end = None if r.end is None else r.end - t0
-    return summarise(arm, target.name, rate, records, arrival=offsets, cut_at=cut_at - t0,
-                     agent_time_s=agent_time_s, turns_per_agent=plan.turns, hit_source=target.hit_source)
+    row = summarise(arm, target.name, rate, records, arrival=offsets, cut_at=cut_at - t0,
+                    agent_time_s=agent_time_s, turns_per_agent=plan.turns, hit_source=target.hit_source)
+    if finished is not None:  # a target that reads the hit rate off the engine's own counters
+        await finished(row)
+    return row
 
 
 async def _warmup(target: Target, arm: str, plan: Plan) -> float:
@@ -505,11 +511,14 @@ async def _warmup(target: Target, arm: str, plan: Plan) -> float:
 
 
 def make_target(name: str, log_dir: Path, **options: Any) -> Target:
-    """The target called ``name`` (:data:`TARGETS`); ``options`` go to :class:`LlamaServerTarget` only."""
+    """The target called ``name`` (:data:`TARGETS`); ``options`` go to :class:`LlamaServerTarget` and
+    :class:`~kvagent_bench.server.load_vllm.VllmTarget` only."""
     if name == "serve":
         return ServeTarget(log_dir)
     if name == "remote":
         return RemoteTarget(log_dir)
+    if name == "vllm":
+        raise ValueError("the vllm target is kvagent_bench.server.load_vllm.VllmTarget: pass it as run()'s factory")
     return LlamaServerTarget(log_dir, **options)
 
 
@@ -547,9 +556,9 @@ async def sweeps(pairs: Sequence[tuple[Target, str]], plan: Plan, progress: Call
 
 
 async def _run(target_name: str, plan: Plan, progress: Callable[[str], None], log_dir: Path,
-               options: dict[str, Any]) -> list[dict[str, Any]]:
+               options: dict[str, Any], factory: Callable[..., Target] | None = None) -> list[dict[str, Any]]:
     if target_name != "llama-server":
-        target = make_target(target_name, log_dir, **options)
+        target = factory(log_dir, **options) if factory else make_target(target_name, log_dir, **options)
         try:
             return await sweeps([(target, arm) for arm in ARMS], plan, progress)
         finally:
@@ -568,16 +577,18 @@ async def _run(target_name: str, plan: Plan, progress: Callable[[str], None], lo
 
 
 def run(target: str, quick: bool, json_path: Path, command: str, progress: Callable[[str], None] = lambda m: None,
-        log_dir: Path | None = None, **options: Any) -> list[dict[str, Any]]:
+        log_dir: Path | None = None, factory: Callable[..., Target] | None = None,
+        **options: Any) -> list[dict[str, Any]]:
     """Run the sweep on ``target`` (:data:`TARGETS`) and write the JSON; returns the rows. ``options``
-    (``slots``, ``affinity``, ``cache_reuse``) configure the ``llama-server`` target and are refused otherwise."""
+    (``slots``, ``affinity``, ``cache_reuse``) configure the ``llama-server`` target and are refused otherwise;
+    ``factory(log_dir, **options)`` makes a target this module does not (``vllm``: ``load_vllm.VllmTarget``)."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: use one of {', '.join(TARGETS)}")
-    if options and target != "llama-server":
-        raise ValueError(f"{', '.join(sorted(options))}: options of --target llama-server only")
+    if options and target not in ("llama-server", "vllm"):
+        raise ValueError(f"{', '.join(sorted(options))}: options of --target llama-server and vllm only")
     plan = Plan.of(quick)
     with tempfile.TemporaryDirectory(prefix="kvagent-load-") as tmp:
-        rows = asyncio.run(_run(target, plan, progress, log_dir or Path(tmp), options))
+        rows = asyncio.run(_run(target, plan, progress, log_dir or Path(tmp), options, factory))
     write_json(json_path, command, rows, target=target, model=MODEL, plan=plan.__dict__, summary=compare(rows),
                **({"llama_server": options} if options else {}))
     return rows

@@ -1,0 +1,537 @@
+"""``kvagent serve --upstream URL``: the OpenAI-compatible API in front of engines elsewhere (vLLM, SGLang,
+llama.cpp's ``llama-server``, any OpenAI-compatible server), forwarding each session in the prefix-stable layout.
+
+What a request goes through (every refusal an OpenAI-shaped error naming the fix; nothing changes before it):
+
+1. The gate (:mod:`kvagent_server.gate`): who asks, body size and shape. Then the body (:class:`ProxyRequest`):
+   OpenAI's chat fields; one this proxy cannot pass on faithfully is refused, never dropped.
+2. The session: ``X-KVAgent-Session``, else ``prompt_cache_key``, else ``user`` keys it, per tenant (another
+   tenant's key never reaches it). Its requests run one at a time, in arrival order.
+3. The layout (:mod:`kvagent_server.layout`): the previous request byte for byte, errata for what the client changed
+   inside it, then the new messages. It is counted with the model's own tokenizer (``kvagent_server.tokens``);
+   one that would not fit the engine's context (or holds ``max_errata`` errata) is *rebuilt*: forwarded as the
+   client wrote it, which folds the errata in (``X-KVAgent-Layout: rebuild``, counted in ``/metrics``); a client
+   prompt that does not fit on its own is a 413, never cut.
+4. The engine: a replica picked by rendezvous hashing of the session, so a session sticks to one replica and one
+   prefix cache. The request carries ``prompt_cache_key`` (the session, keyed per tenant) and vLLM's
+   ``cache_salt`` (one per tenant: tenants never share cache blocks, so one cannot time another's prompts).
+   A stream is passed through as the engine writes it; tools and tool calls in the engine's own format.
+5. The reply joins the layout only once it is complete. An engine that fails, or stops mid-stream, leaves the
+   session as it was: the client gets an error (an ``error`` event in a stream) and may resend; nothing is
+   retried behind its back, so no request runs twice.
+
+The engine's error bodies are summarised, never relayed with its address or internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import re
+import weakref
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Literal
+
+import httpx
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvagent_server import handlers
+from kvagent_server.config import ServerConfig
+from kvagent_server.errors import Busy, InvalidRequest, NotFound, ServerError, TooLarge, error_body
+from kvagent_server.gate import Gate
+from kvagent_server.layout import Forward, Layout, Message, Planner
+from kvagent_server.metrics import Metrics
+from kvagent_server.schemas import SESSION_ID, MessageIn, ResponseFormat, StreamOptions
+from kvagent_server.tenants import Tenant, Tenants, check_start, load_secret
+from kvagent_server.tokens import TokenCounter, counter_for
+
+log = logging.getLogger(__name__)
+
+
+class ProxyRequest(BaseModel):
+    """``POST /v1/chat/completions`` in front of an engine: OpenAI's fields, passed on as given (sampling defaults are
+    the engine's). ``n`` > 1 and ``logprobs`` are refused: the layout records one reply per turn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(max_length=512)
+    messages: list[MessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=1_000_000)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    user: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=256)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # accepted as OpenAI's clients send them; not passed on
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = Field(None, max_length=256)
+
+    def reply_budget(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+_PASSED = ("temperature", "top_p", "top_k", "seed", "stop", "tools", "tool_choice", "parallel_tool_calls",
+           "presence_penalty", "frequency_penalty")
+
+
+def message_out(message: MessageIn) -> Message:
+    """A client's message as forwarded: its role, content, name and calls, nothing its SDK added."""
+    out: Message = {"role": "system" if message.role == "developer" else message.role}
+    content = message.content
+    out["content"] = [p.model_dump() for p in content] if isinstance(content, list) else content
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+class Upstream:
+    """One engine: its base URL (ending in ``/v1``) and a connection pool to it."""
+
+    def __init__(self, url: str, api_key: str | None, timeout_s: float,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.url = url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=url + "/", headers=headers, trust_env=False, transport=transport,
+                                        timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+
+    def rank(self, route: str) -> bytes:
+        return hashlib.sha256(f"{route}\0{self.url}".encode()).digest()
+
+
+class UpstreamFailed(ServerError):
+    """The engine could not answer (502/503/504); the message names no address."""
+
+    kind = "server_error"
+
+    def __init__(self, message: str, status: int, code: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+        self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+
+
+class Sessions:
+    """Each tenant's layouts, the least recently used forgotten beyond ``max_sessions`` (its client's next request
+    starts a new layout: a cold prefix, nothing lost); one lock per session."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[str, OrderedDict[str, Layout]] = {}
+        self._locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
+
+    def lock(self, tenant: Tenant, key: str) -> asyncio.Lock:
+        lock = self._locks.get((tenant.name, key))
+        if lock is None:
+            lock = self._locks[(tenant.name, key)] = asyncio.Lock()
+        return lock
+
+    def get(self, tenant: Tenant, key: str) -> Layout | None:
+        return self._layouts.get(tenant.name, {}).get(key)
+
+    def put(self, tenant: Tenant, key: str, layout: Layout) -> None:
+        mine = self._layouts.setdefault(tenant.name, OrderedDict())
+        mine[key] = layout
+        mine.move_to_end(key)
+        while len(mine) > tenant.max_sessions:
+            mine.popitem(last=False)
+
+    def count(self) -> int:
+        return sum(len(v) for v in self._layouts.values())
+
+
+class Proxy:
+    """The state of ``kvagent serve --upstream`` (see the module docstring)."""
+
+    def __init__(self, config: ServerConfig, secret: bytes, metrics: Metrics, counter: TokenCounter | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config, self.secret, self.metrics = config, secret, metrics
+        key = config.upstream_key.get_secret_value() if config.upstream_key else None
+        self.upstreams = [Upstream(url, key, config.upstream_timeout_s, transport) for url in config.upstream]
+        self.model = config.upstream_model or config.model
+        self.n_ctx = config.n_ctx
+        self.counter = counter if counter is not None else counter_for(config.model)
+        self.planner = Planner(role=config.erratum_role, inplace_tail_chars=config.inplace_tail_chars)
+        self.sessions = Sessions()
+        self._tool_tokens: OrderedDict[str, int] = OrderedDict()
+
+    # -- keys ---------------------------------------------------------------------------------------
+    def _mac(self, *parts: str) -> str:
+        return hmac.new(self.secret, "\0".join(parts).encode(), hashlib.sha256).hexdigest()[:32]
+
+    def salt(self, tenant: Tenant) -> str:
+        """The tenant's ``cache_salt``: the same on every replica and restart given ``--secret-file``."""
+        return self._mac("cache-salt", tenant.name)
+
+    def upstream(self, route: str) -> Upstream:
+        return max(self.upstreams, key=lambda u: u.rank(route))
+
+    # -- budget -------------------------------------------------------------------------------------
+    def count(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> int:
+        """Prompt tokens of ``messages`` (the model's template and vocabulary) plus the tools' JSON, as the engine
+        renders tools into the prompt (an upper estimate where the template rewrites them)."""
+        total = self.counter.count(messages)
+        if tools:
+            text = json.dumps(tools, ensure_ascii=False)
+            cached = self._tool_tokens.get(text)
+            if cached is None:
+                tokenize = getattr(self.counter, "tokenize", None)
+                cached = len(tokenize(text)) if tokenize is not None else len(text) // 2
+                self._tool_tokens[text] = cached
+                if len(self._tool_tokens) > 64:
+                    self._tool_tokens.popitem(last=False)
+            total += cached
+        return total
+
+    def fit(self, forward: Forward, client: list[Message], body: ProxyRequest, budget: int) -> tuple[Forward, int]:
+        """``forward``, or the client's own messages when the layout would not fit or holds too many errata; a 413
+        when even those do not fit."""
+        if len(forward.layout.errata) > self.config.max_errata:
+            forward = Forward(client, Layout.rebuilt(client), "rebuild")
+        tokens = self.count(forward.messages, body.tools)
+        if tokens + budget > self.n_ctx and forward.kind not in ("new", "rebuild"):
+            forward = Forward(client, Layout.rebuilt(client), "rebuild")
+            tokens = self.count(forward.messages, body.tools)
+        if tokens + budget > self.n_ctx:
+            how = "counted with the model's tokenizer" if self.counter.exact else "estimated"
+            raise TooLarge(f"the prompt is {tokens} tokens ({how}) and max_tokens asks {budget} more: more than the "
+                           f"engine's context of {self.n_ctx}; shorten the messages or ask for fewer tokens",
+                           param="messages", code="context_length_exceeded")
+        return forward, tokens
+
+    # -- the request --------------------------------------------------------------------------------
+    async def complete(self, tenant: Tenant, body: ProxyRequest, request: Request) -> Response:
+        config = self.config
+        if body.model not in {config.model, self.model}:
+            raise NotFound(f"unknown model {body.model!r}: this server serves {config.model!r} (GET /v1/models)",
+                           param="model", code="model_not_found")
+        budget = body.reply_budget(config.default_max_tokens)
+        if budget > config.max_tokens:
+            raise InvalidRequest(f"max_tokens: {budget} is more than this server's cap of {config.max_tokens} "
+                                 "(--max-tokens): ask for fewer", param="max_tokens", code="max_tokens_too_large")
+        if len(body.messages) > config.max_messages:
+            raise TooLarge(f"{len(body.messages)} messages: at most {config.max_messages} (--max-messages)",
+                           param="messages")
+        client = [message_out(m) for m in body.messages]
+        if sum(len(json.dumps(m.get("content"))) for m in client) > config.max_prompt_chars:
+            raise TooLarge(f"the messages hold more characters than a context of {self.n_ctx} tokens can: shorten "
+                           "them", param="messages", code="context_length_exceeded")
+        key = _session_key(body, request)
+        hold = _Hold(self.sessions.lock(tenant, key) if key is not None else asyncio.Lock())
+        try:
+            await asyncio.wait_for(hold.lock.acquire(), config.upstream_timeout_s)
+        except TimeoutError:
+            raise Busy("this session's previous request is still running: retry when it ends",
+                       config.retry_after_s) from None
+        handed = False
+        try:
+            layout = self.sessions.get(tenant, key) if key is not None else None
+            forward = self.planner.plan(layout, client)
+            forward, tokens = await asyncio.to_thread(self.fit, forward, client, body, budget)
+            route = self._mac("route", tenant.name, key) if key is not None else self._mac(
+                "route", tenant.name, json.dumps(client[0], sort_keys=True))
+            upstream_body = self._body(tenant, body, forward, budget, route if key is not None else None)
+            upstream = self.upstream(route)
+            self.metrics.layouts.labels(forward.kind).inc()
+            if forward.errata:
+                self.metrics.errata.inc(len(forward.errata))
+            headers = {"X-KVAgent-Layout": forward.kind, "X-KVAgent-Errata": str(len(forward.layout.errata)),
+                       "X-KVAgent-Prompt-Tokens": str(tokens)}
+            if body.stream:
+                response = await self._stream(upstream, upstream_body, tenant, key, forward, headers, hold)
+                handed = True
+                return response
+            data = await self._post(upstream, upstream_body)
+            reply = _reply(data)
+            if key is not None and reply is not None:
+                forward.layout.commit(reply)
+                self.sessions.put(tenant, key, forward.layout)
+            data["model"] = body.model
+            self._count_usage(data.get("usage"))
+            return JSONResponse(data, headers=headers)
+        finally:
+            if not handed:
+                hold.release()
+
+    def _body(self, tenant: Tenant, body: ProxyRequest, forward: Forward, budget: int,
+              cache_key: str | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "messages": forward.messages, "max_tokens": budget}
+        for name in _PASSED:
+            value = getattr(body, name)
+            if value is not None:
+                out[name] = value
+        if body.response_format is not None:
+            out["response_format"] = body.response_format.model_dump(by_alias=True, exclude_none=True)
+        if cache_key is not None:
+            out["prompt_cache_key"] = cache_key
+        if self.config.upstream_salt:
+            out["cache_salt"] = self.salt(tenant)
+        if body.stream:
+            out["stream"] = True
+            out["stream_options"] = {"include_usage": True}
+        return out
+
+    async def _post(self, upstream: Upstream, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await upstream.client.post("chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise _unreachable(exc, self.config.retry_after_s) from None
+        if response.status_code >= 400:
+            raise _refusal(response.status_code, response.content, self.config.retry_after_s)
+        try:
+            data = response.json()
+        except ValueError:
+            raise UpstreamFailed("the engine answered something that is not JSON: retry, and check the engine",
+                                 502, "upstream_bad_answer") from None
+        if not isinstance(data, dict):
+            raise UpstreamFailed("the engine answered an unexpected body", 502, "upstream_bad_answer")
+        return data
+
+    async def _stream(self, upstream: Upstream, body: dict[str, Any], tenant: Tenant, key: str | None,
+                      forward: Forward, headers: dict[str, str], hold: _Hold) -> Response:
+        request = upstream.client.build_request("POST", "chat/completions", json=body)
+        try:
+            response = await upstream.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _unreachable(exc, self.config.retry_after_s) from None
+        if response.status_code >= 400:
+            content = await response.aread()
+            await response.aclose()
+            raise _refusal(response.status_code, content, self.config.retry_after_s)
+
+        async def events() -> AsyncIterator[bytes]:
+            reply = _Accumulated()
+            done = False
+            try:
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    yield (line + "\n\n").encode()
+                    if line.startswith("data:"):
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True
+                        else:
+                            reply.add(data)
+                if not done and reply.finish is None:
+                    raise httpx.RemoteProtocolError("the stream ended without a finish")
+                if key is not None and reply.finish is not None:
+                    forward.layout.commit(reply.message())
+                    self.sessions.put(tenant, key, forward.layout)
+                self._count_usage(reply.usage)
+            except httpx.HTTPError:
+                self.metrics.upstream_errors.labels("interrupted").inc()
+                log.warning("the engine stopped mid-stream; the turn was not recorded")
+                error = error_body("the engine stopped mid-reply: this turn was not recorded, resend the request",
+                                   "server_error", None, "upstream_interrupted")
+                yield f"data: {json.dumps(error)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            finally:
+                await response.aclose()
+                hold.release()  # the session's next request may run
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+
+    def _count_usage(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt = int(usage.get("prompt_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        self.metrics.prompt_tokens.labels("reused").inc(min(cached, prompt))
+        self.metrics.prompt_tokens.labels("computed").inc(max(prompt - cached, 0))
+        self.metrics.generated_tokens.inc(int(usage.get("completion_tokens") or 0))
+
+    async def aclose(self) -> None:
+        for upstream in self.upstreams:
+            await upstream.client.aclose()
+        close = getattr(self.counter, "close", None)
+        if close is not None:
+            close()
+
+
+class _Hold:
+    """A session's lock, held across the response (a stream's last event) and released once."""
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self.lock, self._released = lock, False
+
+    def release(self) -> None:
+        if not self._released and self.lock.locked():
+            self._released = True
+            self.lock.release()
+
+
+class _Accumulated:
+    """A streamed reply put back together: its text, its calls (by index) and its finish reason."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish: str | None = None
+        self.usage: Any = None
+
+    def add(self, data: str) -> None:
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(chunk, dict):
+            return
+        if "error" in chunk:
+            raise httpx.RemoteProtocolError("the engine sent an error event")
+        self.usage = chunk.get("usage") or self.usage
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.text.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                slot = self.calls.setdefault(int(call.get("index", 0)), {"id": None, "name": "", "arguments": ""})
+                slot["id"] = call.get("id") or slot["id"]
+                function = call.get("function") or {}
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+            self.finish = choice.get("finish_reason") or self.finish
+
+    def message(self) -> Message:
+        out: Message = {"role": "assistant", "content": "".join(self.text) or None}
+        if self.calls:
+            out["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"],
+                                                                                   "arguments": c["arguments"]}}
+                                 for _, c in sorted(self.calls.items())]
+        return out
+
+
+def _reply(data: dict[str, Any]) -> Message | None:
+    """The reply of a non-streamed answer, as the layout keeps it; None for an answer without one."""
+    try:
+        message = data["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    out: Message = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": (c.get("function") or {}).get("name"),
+                                           "arguments": (c.get("function") or {}).get("arguments")}}
+                             for c in message["tool_calls"]]
+    return out
+
+
+def _session_key(body: ProxyRequest, request: Request) -> str | None:
+    header = request.headers.get("x-kvagent-session")
+    if header is not None:
+        if not re.match(SESSION_ID, header):
+            raise InvalidRequest("the X-KVAgent-Session header: 1-128 letters, digits and . _ : @ -",
+                                 param="X-KVAgent-Session")
+        return f"session:{header}"
+    if body.prompt_cache_key:
+        return f"prompt_cache_key:{body.prompt_cache_key}"
+    if body.user:
+        return f"user:{body.user}"
+    return None
+
+
+def _unreachable(exc: httpx.HTTPError, retry: int) -> UpstreamFailed:
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamFailed("the engine did not answer in time (--upstream-timeout-s): retry later", 504,
+                              "upstream_timeout", retry)
+    log.warning("the engine could not be reached: %s", type(exc).__name__)
+    return UpstreamFailed("no engine answers right now: retry shortly", 503, "upstream_unavailable", retry)
+
+
+def _refusal(status: int, content: bytes, retry: int) -> ServerError:
+    """The engine's refusal as this server's error: a client's mistake (4xx) with the engine's own reason, a fault
+    (5xx) with none of its details."""
+    try:
+        detail = json.loads(content)
+        message = detail.get("error", {}).get("message") if isinstance(detail.get("error"), dict) else None
+        message = message or detail.get("message") or detail.get("detail")
+    except (ValueError, AttributeError):
+        message = None
+    if status == 429:
+        return Busy("the engine is at capacity: retry shortly", retry)
+    if status in (400, 413, 422) and isinstance(message, str):
+        error = InvalidRequest(f"the engine refused the request: {message[:300]}", code="upstream_refused")
+        error.status = 400
+        return error
+    if status in (401, 403, 404):
+        log.error("the engine refused this server (%d): check --upstream, --upstream-model and --upstream-key",
+                  status)
+    else:
+        log.error("the engine failed (%d)", status)
+    return UpstreamFailed(f"the engine failed on this request (HTTP {status}): retry, and report it if it happens "
+                          "again", 502, "upstream_failed")
+
+
+def create_proxy_app(config: ServerConfig, *, counter: TokenCounter | None = None,
+                     transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The proxy as an ASGI app. ``counter`` replaces the model's own tokenizer, ``transport`` the connections to
+    the engines (``httpx.MockTransport``, or a transport that records what is sent)."""
+    check_start(config)
+    tenants = Tenants(config)
+    secret = load_secret(config.secret_file)
+    metrics = Metrics()
+    proxy = Proxy(config, secret, metrics, counter, transport)
+    metrics.watch_sessions(proxy.sessions.count)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await proxy.aclose()
+
+    app = FastAPI(title="kvagent (proxy)", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible chat completions forwarded in a prefix-stable layout.")
+    app.state.proxy = proxy
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def read_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0,
+                                            "owned_by": "kvagent"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ProxyRequest, request: Request) -> Response:
+        return await proxy.complete(request.state.tenant, body, request)
+
+    handlers.install(app, "in front of an engine, this server answers POST /v1/chat/completions, GET /v1/models, "
+                          "/health and /metrics")
+    app.add_middleware(Gate, config=config, tenants=tenants, metrics=metrics,  # type: ignore[arg-type]
+                       route=lambda path: path if path in ("/v1/chat/completions", "/v1/models", "/metrics",
+                                                           "/health") else "other")
+    return app
+
+
+__all__ = ["Proxy", "ProxyRequest", "UpstreamFailed", "create_proxy_app"]
+
