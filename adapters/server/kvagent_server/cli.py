@@ -53,6 +53,8 @@ def serve(
                                      "(or set KVAGENT_UPSTREAM_KEY)."),
     erratum_role: str = typer.Option("system", help="Role of erratum messages: system, or user for a chat "
                                      "template that takes a system message first only."),
+    inplace_tail_chars: int = typer.Option(1024, min=0, help="With --upstream: a change this close to the end of the "
+                                           "prompt (characters) is forwarded in place, not as an erratum."),
     log_level: str = typer.Option("info", help="uvicorn's log level."),
 ) -> None:
     """Serve OpenAI-compatible chat completions whose sessions keep their KV cache alive."""
@@ -70,7 +72,8 @@ def serve(
                               max_in_flight=max_in_flight, max_parked_mb=max_parked_mb, skills_dir=skills,
                               park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None,
                               auto_tools=auto_tools, upstream=tuple(upstream), upstream_model=upstream_model,
-                              upstream_key=upstream_key, erratum_role=erratum_role)
+                              upstream_key=upstream_key, erratum_role=erratum_role,
+                              inplace_tail_chars=inplace_tail_chars)
         run(config, log_level=log_level)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}"

@@ -69,17 +69,23 @@ class Layout:
     sent: list[Message] = field(default_factory=list)
     where: list[int] = field(default_factory=list)
     errata: list[int] = field(default_factory=list)
+    tokens: int | None = None
+    """The tokens of ``sent`` (the last request's prompt and its reply) as the engine counted them, under ``tools``
+    (the request's tools as JSON); None when the engine did not say."""
+    tools: str = ""
 
     @classmethod
     def rebuilt(cls, messages: Sequence[Message]) -> Layout:
         """The layout of a request forwarded as the client wrote it (errata folded in)."""
         return cls([key(m) for m in messages], [dict(m) for m in messages], list(range(len(messages))), [])
 
-    def commit(self, reply: Message) -> None:
-        """The engine's reply joins both sides (the client resends it next turn)."""
+    def commit(self, reply: Message, tokens: int | None = None, tools: str = "") -> None:
+        """The engine's reply joins both sides (the client resends it next turn); ``tokens``: the request's prompt
+        and reply tokens as the engine counted them (``usage``), under ``tools``."""
         self.client.append(key(reply))
         self.where.append(len(self.sent))
         self.sent.append(reply)
+        self.tokens, self.tools = tokens, tools
 
 
 @dataclass(frozen=True)

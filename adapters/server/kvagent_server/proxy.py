@@ -90,6 +90,8 @@ class ProxyRequest(BaseModel):
         return self.max_completion_tokens or self.max_tokens or default
 
 
+SLACK = 8
+"""Tokens per added message a whole count may differ by from the message counted on its own (template joins)."""
 _PASSED = ("temperature", "top_p", "top_k", "seed", "stop", "tools", "tool_choice", "parallel_tool_calls",
            "presence_penalty", "frequency_penalty")
 
@@ -205,11 +207,29 @@ class Proxy:
             total += cached
         return total
 
-    def fit(self, forward: Forward, client: list[Message], body: ProxyRequest, budget: int) -> tuple[Forward, int]:
+    def bound(self, forward: Forward, previous: Layout | None, tools: str) -> int | None:
+        """An upper bound of the forwarded prompt's tokens that tokenizes only what was added: the engine's count of
+        the previous request and its reply, the added messages counted on their own (their template's wrapping, a
+        generation prompt and any default system prompt included), and :data:`SLACK` tokens per message for the
+        joins. None where the layout does not extend the previous request, or its count is unknown."""
+        if forward.kind not in ("append", "errata") or previous is None or previous.tokens is None:
+            return None
+        if previous.tools != tools:
+            return None
+        added = forward.messages[len(previous.sent):]
+        return previous.tokens + self.counter.count(added) + SLACK * (len(added) + 1)
+
+    def fit(self, forward: Forward, previous: Layout | None, client: list[Message], body: ProxyRequest,
+            budget: int) -> tuple[Forward, int, bool]:
         """``forward``, or the client's own messages when the layout would not fit or holds too many errata; a 413
-        when even those do not fit."""
+        when even those do not fit. With the prompt's tokens, and whether they were counted whole (else a bound,
+        which fits with room to spare: a whole count of a long prompt costs milliseconds)."""
+        tools = json.dumps(body.tools, ensure_ascii=False, sort_keys=True) if body.tools else ""
         if len(forward.layout.errata) > self.config.max_errata:
             forward = Forward(client, Layout.rebuilt(client), "rebuild")
+        bound = self.bound(forward, previous, tools)
+        if bound is not None and bound + budget <= self.n_ctx:
+            return forward, bound, False
         tokens = self.count(forward.messages, body.tools)
         if tokens + budget > self.n_ctx and forward.kind not in ("new", "rebuild"):
             forward = Forward(client, Layout.rebuilt(client), "rebuild")
@@ -219,7 +239,7 @@ class Proxy:
             raise TooLarge(f"the prompt is {tokens} tokens ({how}) and max_tokens asks {budget} more: more than the "
                            f"engine's context of {self.n_ctx}; shorten the messages or ask for fewer tokens",
                            param="messages", code="context_length_exceeded")
-        return forward, tokens
+        return forward, tokens, True
 
     # -- the request --------------------------------------------------------------------------------
     async def complete(self, tenant: Tenant, body: ProxyRequest, request: Request) -> Response:
@@ -249,7 +269,11 @@ class Proxy:
         try:
             layout = self.sessions.get(tenant, key) if key is not None else None
             forward = self.planner.plan(layout, client)
-            forward, tokens = await asyncio.to_thread(self.fit, forward, client, body, budget)
+            short = forward.kind in ("append", "errata") and layout is not None and layout.tokens is not None
+            if short and not body.tools:  # only the added messages are counted: on the event loop
+                forward, tokens, exact = self.fit(forward, layout, client, body, budget)
+            else:  # a whole prompt is tokenized: off the event loop
+                forward, tokens, exact = await asyncio.to_thread(self.fit, forward, layout, client, body, budget)
             route = self._mac("route", tenant.name, key) if key is not None else self._mac(
                 "route", tenant.name, json.dumps(client[0], sort_keys=True))
             upstream_body = self._body(tenant, body, forward, budget, route if key is not None else None)
@@ -258,15 +282,16 @@ class Proxy:
             if forward.errata:
                 self.metrics.errata.inc(len(forward.errata))
             headers = {"X-KVAgent-Layout": forward.kind, "X-KVAgent-Errata": str(len(forward.layout.errata)),
-                       "X-KVAgent-Prompt-Tokens": str(tokens)}
+                       "X-KVAgent-Prompt-Tokens": str(tokens), "X-KVAgent-Prompt-Count": "exact" if exact else "bound"}
+            tools = json.dumps(body.tools, ensure_ascii=False, sort_keys=True) if body.tools else ""
             if body.stream:
-                response = await self._stream(upstream, upstream_body, tenant, key, forward, headers, hold)
+                response = await self._stream(upstream, upstream_body, tenant, key, forward, headers, hold, tools)
                 handed = True
                 return response
             data = await self._post(upstream, upstream_body)
             reply = _reply(data)
             if key is not None and reply is not None:
-                forward.layout.commit(reply)
+                forward.layout.commit(reply, _used(data.get("usage")), tools)
                 self.sessions.put(tenant, key, forward.layout)
             data["model"] = body.model
             self._count_usage(data.get("usage"))
@@ -310,7 +335,7 @@ class Proxy:
         return data
 
     async def _stream(self, upstream: Upstream, body: dict[str, Any], tenant: Tenant, key: str | None,
-                      forward: Forward, headers: dict[str, str], hold: _Hold) -> Response:
+                      forward: Forward, headers: dict[str, str], hold: _Hold, tools: str) -> Response:
         request = upstream.client.build_request("POST", "chat/completions", json=body)
         try:
             response = await upstream.client.send(request, stream=True)
@@ -338,7 +363,7 @@ class Proxy:
                 if not done and reply.finish is None:
                     raise httpx.RemoteProtocolError("the stream ended without a finish")
                 if key is not None and reply.finish is not None:
-                    forward.layout.commit(reply.message())
+                    forward.layout.commit(reply.message(), _used(reply.usage), tools)
                     self.sessions.put(tenant, key, forward.layout)
                 self._count_usage(reply.usage)
             except httpx.HTTPError:
@@ -438,6 +463,14 @@ def _reply(data: dict[str, Any]) -> Message | None:
                                            "arguments": (c.get("function") or {}).get("arguments")}}
                              for c in message["tool_calls"]]
     return out
+
+
+def _used(usage: Any) -> int | None:
+    """Prompt and reply tokens of an answer's ``usage``; None where it lacks them."""
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return prompt + completion if isinstance(prompt, int) and isinstance(completion, int) else None
 
 
 def _session_key(body: ProxyRequest, request: Request) -> str | None:

@@ -55,7 +55,8 @@ class Engine:
                 raise httpx.ConnectError("connection refused")
             self.replies += 1
             text = f"reply {self.replies}"
-            usage = {"prompt_tokens": 100, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 90}}
+            # counted as the proxy counts (an engine's usage is what the proxy's budget builds on)
+            usage = {"prompt_tokens": Words().count(body["messages"]), "completion_tokens": 2}
             if not body.get("stream"):
                 return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": body["model"],
                                                  "choices": [{"index": 0, "finish_reason": "stop",

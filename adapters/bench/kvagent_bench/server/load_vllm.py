@@ -2,8 +2,9 @@
 own system prompt, straight to vLLM and through ``kvagent serve --upstream``.
 
 Both arms run the same client: a plain OpenAI chat client whose system prompt holds the policy, three state lines
-(``order_status: processing``, ...) and the document, and which rewrites one state line in place each turn (the
-same changes as :mod:`kvagent_bench.server.load`), then resends its whole history with the next question:
+(``order_status: processing``, ...) and the document. Its first turn asks with the initial state (every agent
+starts from the fleet's shared prompt, which the engine holds); each later turn rewrites one state line in place
+(the changes of :mod:`kvagent_bench.server.load`), then resends its whole history with the next question:
 
 - ``inplace``: sent straight to vLLM (what such an agent gets from a prefix cache today);
 - ``erratum``: sent to ``kvagent serve --upstream <vLLM>`` in a child process on 127.0.0.1, which forwards the
@@ -110,7 +111,8 @@ class _ChatAgent:
         self.history: list[dict[str, str]] = []
 
     async def turn(self, record: TurnRecord, question: str, change: tuple[str, str], max_tokens: int) -> None:
-        self.values[change[0]] = change[1]
+        if self.history:  # the first turn asks with the shared prompt as it is
+            self.values[change[0]] = change[1]
         self.history.append({"role": "user", "content": question})
         messages = [{"role": "system", "content": system_prompt(self.values, self.t.doc)}, *self.history]
         got = await astream_chat(self.t.client, self.t.body(messages, max_tokens, self.key),

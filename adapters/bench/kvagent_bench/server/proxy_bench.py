@@ -12,10 +12,12 @@ engine, one after the other, each with its own conversation (``prompt_cache_key`
 Per turn: the time to the first content token (client side), the engine's ``usage`` (prompt and cached tokens), and,
 on vLLM, the growth of its own prefix-cache counters (queries, hits) over the turn.
 
-Overhead: an unchanged request (the same messages each time, ``max_tokens`` 1, not streamed) sent ``pairs`` times
-to the engine and through the proxy, alternating; the proxy's added time is the median of (proxy - direct) over
-the pairs. Measured twice: against the engine, and against a stub engine on 127.0.0.1 that answers at once (what
-the proxy itself costs, without the engine's own noise).
+Overhead: an agent whose prompt does not change (the held-out system prompt; each turn resends the history with
+the last reply and a new question, ``max_tokens`` 1, not streamed: what the proxy forwards as ``append``), run
+twice side by side, straight to the engine and through the proxy, their requests alternating for ``pairs``
+turns; the proxy's added time is the median of (proxy - direct) over the pairs. Measured twice: against the
+engine, and against a stub engine on 127.0.0.1 that answers at once (what the proxy itself costs, without the
+engine's own noise).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from fastapi import FastAPI, Request  # module level: the stub's annotations resolve here
 
 from kvagent_bench.common import RESULTS_DIR, write_json
 from kvagent_bench.server.load import MODEL, document, percentile
@@ -122,35 +126,41 @@ def heldout_turns(url: str, arm: str, doc: str, turns: int, extra: dict[str, Any
     return rows
 
 
-def overhead(direct: str, proxied: str, pairs: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """Median added time of the proxy on an unchanged request, alternating direct and proxied (see the docstring)."""
+def overhead(direct: str, proxied: str, pairs: int, extra: dict[str, Any], doc: str) -> dict[str, Any]:
+    """Median added time of the proxy on requests whose prompt did not change (see the module docstring)."""
     import httpx
 
-    messages = [{"role": "system", "content": system_prompt(0, "A short policy.")},
-                {"role": "user", "content": "Hello."}]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0.0,
-            "prompt_cache_key": "overhead", **extra}
+    system = {"role": "system", "content": system_prompt(0, doc)}
+    histories: dict[str, list[dict[str, str]]] = {"direct": [], "proxy": []}
     times: dict[str, list[float]] = {"direct": [], "proxy": []}
+    layouts: dict[str, int] = {}
     with httpx.Client(timeout=300, trust_env=False) as client:
         for i in range(pairs + 2):  # two unmeasured pairs: connections opened, the prefix cached
-            for arm, url in (("direct", direct), ("proxy", proxied)) if i % 2 else (("proxy", proxied),
-                                                                                    ("direct", direct)):
+            arms = (("direct", direct), ("proxy", proxied))
+            for arm, url in arms if i % 2 else arms[::-1]:
+                history = histories[arm]
+                history.append({"role": "user", "content": f"Question {i}: is that all?"})
+                body = {"model": MODEL, "messages": [system, *history], "max_tokens": 1, "temperature": 0.0,
+                        "prompt_cache_key": f"overhead-{arm}", **extra}
                 start = time.perf_counter()
                 r = client.post(f"{url}/chat/completions", json=body)
                 elapsed = time.perf_counter() - start
                 r.raise_for_status()
+                history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""})
                 if i >= 2:
                     times[arm].append(elapsed)
+                    if arm == "proxy":
+                        kind = r.headers.get("x-kvagent-layout", "?")
+                        layouts[kind] = layouts.get(kind, 0) + 1
     added = [p - d for p, d in zip(times["proxy"], times["direct"])]
     return {"pairs": pairs, "direct_median_ms": 1e3 * statistics.median(times["direct"]),
             "proxy_median_ms": 1e3 * statistics.median(times["proxy"]),
-            "added_median_ms": 1e3 * statistics.median(added), "added_p90_ms": 1e3 * percentile(added, 0.9)}
+            "added_median_ms": 1e3 * statistics.median(added), "added_p90_ms": 1e3 * percentile(added, 0.9),
+            "proxy_layouts": layouts}
 
 
 def _stub_app() -> Any:
     """An engine that answers every chat completion at once (what the proxy costs, without an engine's noise)."""
-    from fastapi import FastAPI, Request
-
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
@@ -226,14 +236,14 @@ def run(target: str, json_path: Path, command: str, *, turns: int = 10, pairs: i
                 write_json(json_path, command, turns_rows, target=target, model=MODEL, partial=True)
             result["summary"] = summarise(turns_rows)
             progress(f"{target}: proxy overhead on the engine")
-            result["overhead_engine"] = overhead(engine.url, engine.proxy.url, pairs, engine.extra)
+            result["overhead_engine"] = overhead(engine.url, engine.proxy.url, pairs, engine.extra, doc)
         finally:
             engine.close()
         progress("proxy overhead on a stub engine")
         with _stub() as stub:
             proxy = _proxy(stub, log_dir, n_ctx, "proxy-stub.log")
             try:
-                result["overhead_stub"] = overhead(stub, proxy.url, pairs, {})
+                result["overhead_stub"] = overhead(stub, proxy.url, pairs, {}, doc)
             finally:
                 stop_process(proxy)
     write_json(json_path, command, turns_rows, target=target, model=MODEL, doc_chars=doc_chars, turns=turns,
