@@ -63,6 +63,19 @@ class Engine:
                                                               "message": {"role": "assistant", "content": text}}],
                                                  "usage": usage})
             broken = self.mode == "cut"
+            if self.mode == "tool":  # a call streamed in pieces, in OpenAI's shape
+                pieces = [{"tool_calls": [{"index": 0, "id": "call_7", "type": "function",
+                                           "function": {"name": "lookup", "arguments": ""}}]},
+                          {"tool_calls": [{"index": 0, "function": {"arguments": '{"order": '}}]},
+                          {"tool_calls": [{"index": 0, "function": {"arguments": '"77"}'}}]}]
+
+                async def calls() -> AsyncIterator[bytes]:
+                    for delta in pieces:
+                        yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n".encode()
+                    end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "usage": usage}
+                    yield f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode()
+
+                return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=calls())
 
             async def events() -> AsyncIterator[bytes]:
                 for piece in ("reply ", str(self.replies)):
@@ -224,6 +237,31 @@ async def test_a_stream_the_engine_stops_ends_with_an_error_event_and_the_turn_i
     assert resent.headers["x-kvagent-layout"] == "append"
     assert engine.seen[-1][1]["messages"] == engine.seen[-2][1]["messages"]
     assert "reply 2" not in json.dumps(engine.seen[-1][1]["messages"])
+
+
+async def test_a_streamed_tool_call_is_recorded_as_the_client_resends_it(tmp_path: Path) -> None:
+    """Tools pass through as given; the call streamed in pieces joins the session whole, so the client's resend
+    (its call, then the tool's result) is an append."""
+    engine = Engine()
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    first = _turn("10:00", [], "Where is order 77?")
+    async with _client(_app(engine, tmp_path)) as client:
+        engine.mode = "tool"
+        called = await client.post("/v1/chat/completions", json={
+            "model": "smollm2-135m", "messages": first, "tools": tools, "tool_choice": "required",
+            "prompt_cache_key": "agent-1", "stream": True})
+        engine.mode = "ok"
+        call = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "lookup", "arguments": '{"order": "77"}'}}]}
+        result = {"role": "tool", "tool_call_id": "call_7", "content": "shipped"}
+        answered = await client.post("/v1/chat/completions", json={
+            "model": "smollm2-135m", "messages": [*first, call, result], "tools": tools,
+            "prompt_cache_key": "agent-1"})
+    assert called.status_code == 200 and '"finish_reason": "tool_calls"' in called.text
+    assert answered.headers["x-kvagent-layout"] == "append"
+    sent = engine.seen[-1][1]
+    assert sent["messages"][-2:] == [call, result] and sent["tools"] == tools
+    assert engine.seen[0][1]["tool_choice"] == "required"
 
 
 @pytest.mark.parametrize("body,status,param", [

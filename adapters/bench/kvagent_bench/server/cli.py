@@ -30,6 +30,7 @@ def bench_load(
     cache_reuse: int = typer.Option(0, min=0, help="llama-server only: --cache-reuse N (0: off, its default)."),
     doc_chars: int = typer.Option(None, min=100, help="vllm only: the document's length in characters (default: "
                                   "the same ~1,200-token document as the other targets)."),
+    start_rate: float = typer.Option(None, min=0.001, help="The first point's rate, agents/s (default 0.125)."),
 ) -> None:
     """The online benchmark of "Models Take Notes at Prefill" (arXiv:2606.17107): errata vs in-prefix edits under Poisson load (hit rate, p90 TTFT,
     throughput as the agent arrival rate doubles), on a server started on 127.0.0.1."""
@@ -56,7 +57,7 @@ def bench_load(
 
             factory = VllmTarget
         rows = load.run(target, quick, json_path, command_line(), progress=lambda m: status.update(m),
-                        factory=factory, **options)
+                        factory=factory, start_rate=start_rate, **options)
     plot_path = json_path.with_suffix(".png")
     load.plot(rows, plot_path)
     fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731

@@ -54,6 +54,7 @@ shifted there by ``--cache-reuse``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import statistics
@@ -175,11 +176,14 @@ def summarise(arm: str, target: str, rate: float, records: Sequence[TurnRecord],
     offered = total_turns / max(max(arrival) - min(arrival) + agent_time_s, 1e-9)
     prompt = sum(r.prompt_tokens for r in done)
     reused = sum(r.reused_tokens for r in done)
+    later = [r for r in done if r.turn > 0]  # the turns after an agent's first: each follows a change
+    later_prompt = sum(r.prompt_tokens for r in later)
     return {
         "arm": arm, "target": target, "rate": rate, "agents": len(arrival), "turns_offered": total_turns,
         "offered_rps": offered, "completed": len(done), "errors": errors, "censored": len(unfinished),
         "throughput_rps": len(done) / span, "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p90_s": percentile(ttfts, 0.9),
         "hit_rate": reused / prompt if prompt else float("nan"), "hit_rate_source": hit_source,
+        "hit_rate_after_first": sum(r.reused_tokens for r in later) / later_prompt if later_prompt else float("nan"),
         "prompt_tokens": prompt, "reused_tokens": reused, "makespan_s": span,
     }
 
@@ -577,16 +581,19 @@ async def _run(target_name: str, plan: Plan, progress: Callable[[str], None], lo
 
 
 def run(target: str, quick: bool, json_path: Path, command: str, progress: Callable[[str], None] = lambda m: None,
-        log_dir: Path | None = None, factory: Callable[..., Target] | None = None,
+        log_dir: Path | None = None, factory: Callable[..., Target] | None = None, start_rate: float | None = None,
         **options: Any) -> list[dict[str, Any]]:
     """Run the sweep on ``target`` (:data:`TARGETS`) and write the JSON; returns the rows. ``options``
     (``slots``, ``affinity``, ``cache_reuse``) configure the ``llama-server`` target and are refused otherwise;
-    ``factory(log_dir, **options)`` makes a target this module does not (``vllm``: ``load_vllm.VllmTarget``)."""
+    ``factory(log_dir, **options)`` makes a target this module does not (``vllm``: ``load_vllm.VllmTarget``);
+    ``start_rate`` replaces the plan's first rate (agents/s)."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: use one of {', '.join(TARGETS)}")
     if options and target not in ("llama-server", "vllm"):
         raise ValueError(f"{', '.join(sorted(options))}: options of --target llama-server and vllm only")
     plan = Plan.of(quick)
+    if start_rate is not None:
+        plan = dataclasses.replace(plan, start_rate=start_rate)
     with tempfile.TemporaryDirectory(prefix="kvagent-load-") as tmp:
         rows = asyncio.run(_run(target, plan, progress, log_dir or Path(tmp), options, factory))
     write_json(json_path, command, rows, target=target, model=MODEL, plan=plan.__dict__, summary=compare(rows),
