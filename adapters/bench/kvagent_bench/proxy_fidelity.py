@@ -6,16 +6,20 @@ as well as rewriting the field does. The proxy relies on that claim for every cl
 so it is measured here per model, on the held-out decision templates (:mod:`kvagent_bench.edit_heldout`, chat
 format; never used by a calibration).
 
-Per case, a plain client's two turns (the case's prompt as one system message, its question as the user message):
+Per case, a plain client's two turns (the case's prompt as the chat messages its segments make: the policy, worked
+examples, the state as a user message, notes after it; then its question as a user message):
 
-1. ``[system: the prompt before the change, user: question]``: the decision ``a`` (restricted argmax over the
-   answers' first tokens, :class:`kvagent.edits.suite.Decider`), which the client keeps as the assistant's reply;
-2. the client rewrites the changed field's line in place and asks again: ``[system: after, user, assistant: a,
-   user]``. Decided three ways, each prompt prefilled cold:
+1. ``[prompt before the change, question]``: the decision ``a`` (restricted argmax over the answers' first tokens,
+   :class:`kvagent.edits.suite.Decider`), which the client keeps as the assistant's reply;
+2. the client rewrites the state message in place and asks again: ``[prompt after, question, a, question]``.
+   Decided three ways, each prompt prefilled cold:
 
    - ``oracle``: those messages as the client wrote them (what recomputing the changed prompt decides);
-   - ``proxy``: those messages as the proxy forwards them (:class:`kvagent_server.layout.Planner`: turn 1 and its
-     reply byte for byte, then one erratum line, then the question);
+   - ``proxy``: those messages as the proxy forwards them as an erratum (:class:`kvagent_server.layout.Planner`:
+     turn 1 and its reply byte for byte, then one erratum line, then the question). The proxy's default sends a
+     change within 1,024 characters of the end in place instead (exact: the oracle's prompt); these cases are
+     forced to the erratum layout (``inplace_tail_chars=0``) to measure it, and ``default_layout`` says what the
+     default would have sent;
    - ``stale``: the same turn with the change left out (what a model that ignored the erratum would decide).
 
 A *flip* is a case whose oracle differs from ``stale``; the proxy *recovers* a flip when it decides as the oracle;
@@ -33,10 +37,6 @@ from kvagent_bench.common import RESULTS_DIR, write_json
 MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 
 
-def _system(segments: Sequence[Any]) -> str:
-    return "".join(s.text for s in segments if s.role == "system")
-
-
 def _decide(engine: Any, messages: Sequence[dict[str, Any]], decide: Any) -> tuple[str, float]:
     """The decision after ``messages`` (a cold prefill of the model's chat rendering, the reply opened)."""
     from kvagent.messages import ChatMessage, to_segments
@@ -51,24 +51,28 @@ def run_case(engine: Any, case: Any, decide: Any, role: str) -> dict[str, Any]:
     """The three decisions of one case (see the module docstring)."""
     from kvagent.segments import SegmentKind
     from kvagent_server.layout import Planner
+    from kvagent_server.remote import segment_messages  # the case's prompt as a client's chat messages
 
     after_values = {**case.before, **case.changes}
     after = [s.with_value(after_values[str(s.name)]) if s.kind is SegmentKind.FIELD else s for s in case.segments]
     question = {"role": "user", "content": case.question}
-    first = [{"role": "system", "content": _system(case.segments)}, question]
+    first = [*segment_messages(case.segments), question]
     a, _ = _decide(engine, first, decide)
     reply = {"role": "assistant", "content": a}
-    client = [{"role": "system", "content": _system(after)}, question, reply, question]
-    stale = [first[0], question, reply, question]
-    planner = Planner(role=role)  # type: ignore[arg-type]
+    client = [*segment_messages(after), question, reply, question]
+    stale = [*first, reply, question]
+    # the erratum layout whatever the distance to the end (the default sends a change this close to the end in place)
+    planner = Planner(role=role, inplace_tail_chars=0)  # type: ignore[arg-type]
     opened = planner.plan(None, first)
     opened.layout.commit(reply)
     forwarded = planner.plan(opened.layout, client)
+    default = Planner(role=role).plan(opened.layout, client).kind  # type: ignore[arg-type]
     oracle, oracle_margin = _decide(engine, client, decide)
     proxy, proxy_margin = _decide(engine, forwarded.messages, decide)
     stale_decision, _ = _decide(engine, stale, decide)
     return {"first": a, "oracle": oracle, "proxy": proxy, "stale": stale_decision, "oracle_margin": oracle_margin,
-            "proxy_margin": proxy_margin, "layout": forwarded.kind, "errata": list(forwarded.errata),
+            "proxy_margin": proxy_margin, "layout": forwarded.kind, "default_layout": default,
+            "errata": list(forwarded.errata),
             "flipped": oracle != stale_decision, "recovered": oracle != stale_decision and proxy == oracle,
             "agree": proxy == oracle}
 

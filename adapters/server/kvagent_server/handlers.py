@@ -25,7 +25,8 @@ def validation_message(e: dict[str, Any], param: str) -> str:
     if kind == "none_required":
         return f"{param}: not supported by kvagent serve: leave it out or send null"
     if param == "seed" and kind == "greater_than_equal":
-        return "seed: a non-negative integer (leave seed out for a random one; -1 is llama.cpp's 'random', not OpenAI's)"
+        return ("seed: a non-negative integer (leave seed out for a random one; -1 is llama.cpp's 'random', not "
+                "OpenAI's)")
     return f"{param}: {e.get('msg', 'invalid')}"
 
 

@@ -144,16 +144,15 @@ class Planner:
         return Forward([*layout.sent[:cut], *tail], after, "inplace")
 
     def _errata(self, layout: Layout, messages: Sequence[Message], new: list[str]) -> Forward:
-        """Errata for what changed up to the client's last message the session holds; the messages after it are
-        new and follow as they are."""
+        """Errata for what changed up to the last run of messages the client resent unchanged; what follows that
+        run is new and goes after the errata as it is (what it replaced is marked removed)."""
         old = layout.client
         olds = _messages_of(layout)
-        known = set(old)
-        last = max(j for j, k in enumerate(new) if k in known)
+        ops = difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
+        last = max(k for k, op in enumerate(ops) if op[0] == "equal")  # one exists: plan() saw a message in common
         lines: list[str] = []
         where: list[int] = [-1] * len(new)
-        ops = difflib.SequenceMatcher(None, old, new[:last + 1], autojunk=False).get_opcodes()
-        for op, i1, i2, j1, j2 in ops:
+        for op, i1, i2, j1, j2 in ops[:last + 1]:
             if op == "equal":
                 where[j1:j2] = layout.where[i1:i2]
             elif op == "replace" and i2 - i1 == j2 - j1 and all(
@@ -164,12 +163,14 @@ class Planner:
                 lines += [self._line(_first_line(olds[i]), REMOVED) for i in range(i1, i2)]
                 lines += [self._line(f"{messages[j].get('role')} message", text_of(messages[j].get("content")))
                           for j in range(j1, j2)]
+        tail_start = ops[last][4]
+        lines += [self._line(_first_line(olds[i]), REMOVED) for i in range(ops[last][2], len(old))]
         sent = list(layout.sent)
         errata = list(layout.errata)
         if lines:
             errata.append(len(sent))
             sent.append({"role": self.role, "content": "\n".join(lines)})
-        for j in range(last + 1, len(new)):
+        for j in range(tail_start, len(new)):
             where[j] = len(sent)
             sent.append(dict(messages[j]))
         return Forward(sent, Layout(new, sent, where, errata), "errata", tuple(lines))

@@ -167,7 +167,7 @@ class RemoteSession:
 
     def messages(self, segments: Sequence[Segment] | None = None) -> list[Message]:
         """The chat messages sent for ``segments`` (default: the prompt as it is): one per segment."""
-        return _messages(self._segments if segments is None else segments)
+        return segment_messages(self._segments if segments is None else segments)
 
     def count(self, segments: Sequence[Segment] | None = None) -> int:
         """Prompt tokens of the request for ``segments`` (with the reply's opening), counted locally."""
@@ -367,7 +367,7 @@ def _auto_choice(model: str) -> tuple[str, str]:
                        "in place (the server recomputes from it)")
 
 
-def _messages(segments: Sequence[Segment]) -> list[Message]:
+def segment_messages(segments: Sequence[Segment]) -> list[Message]:
     """Segments as chat messages: one per segment with its role, except the parts of one message
     (``Segment.message``: a segment that does not close its message), which are joined into it."""
     out: list[Message] = []
@@ -429,4 +429,5 @@ def _check(response: httpx.Response) -> None:
                       response.status_code)
 
 
-__all__ = ["RemoteEdit", "RemoteEngine", "RemoteError", "RemoteGeneration", "RemoteSession", "RemoteStream"]
+__all__ = ["RemoteEdit", "RemoteEngine", "RemoteError", "RemoteGeneration", "RemoteSession", "RemoteStream",
+           "segment_messages"]

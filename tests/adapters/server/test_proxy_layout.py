@@ -52,6 +52,8 @@ CASES: list[tuple[str, Any, Any, list[dict[str, Any]], str, list[str], list[Any]
      [*FIRST, {**REPLY, "refusal": None, "name": None}, U("When?")], "append", [], ["sent", U("When?")]),
     ("a clock line changed near the top", FIRST, REPLY, [S("10:05"), *HISTORY[1:], U("When?")], "errata",
      [UPDATE.format("Current time", "10:05")], ["sent", "erratum", U("When?")]),
+    ("the same question asked again after a change", FIRST, REPLY, [S("10:05"), *HISTORY[1:], FIRST[1]], "errata",
+     [UPDATE.format("Current time", "10:05")], ["sent", "erratum", FIRST[1]]),
     ("two lines changed", FIRST, REPLY, [S("10:05", "silver"), *HISTORY[1:], U("When?")], "errata",
      [UPDATE.format("Current time", "10:05"), UPDATE.format("Tier", "silver")], ["sent", "erratum", U("When?")]),
     ("a memory block inserted into the system prompt", FIRST, REPLY,
