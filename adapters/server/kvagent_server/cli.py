@@ -53,6 +53,8 @@ def serve(
                                      "(or set KVAGENT_UPSTREAM_KEY)."),
     erratum_role: str = typer.Option("system", help="Role of erratum messages: system, or user for a chat "
                                      "template that takes a system message first only."),
+    upstream_timeout_s: float = typer.Option(600.0, min=0.1, help="With --upstream: how long a request may wait for "
+                                             "its engine, and for its session's previous request (seconds)."),
     inplace_tail_chars: int = typer.Option(1024, min=0, help="With --upstream: a change this close to the end of the "
                                            "prompt (characters) is forwarded in place, not as an erratum."),
     log_level: str = typer.Option("info", help="uvicorn's log level."),
@@ -73,7 +75,7 @@ def serve(
                               park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None,
                               auto_tools=auto_tools, upstream=tuple(upstream), upstream_model=upstream_model,
                               upstream_key=upstream_key, erratum_role=erratum_role,
-                              inplace_tail_chars=inplace_tail_chars)
+                              inplace_tail_chars=inplace_tail_chars, upstream_timeout_s=upstream_timeout_s)
         run(config, log_level=log_level)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}"
