@@ -212,19 +212,17 @@ class Proxy:
         the previous request and its reply, the added messages counted on their own (their template's wrapping, a
         generation prompt and any default system prompt included), and :data:`SLACK` tokens per message for the
         joins. None where the layout does not extend the previous request, or its count is unknown."""
-        if forward.kind not in ("append", "errata") or previous is None or previous.tokens is None:
-            return None
-        if previous.tools != tools:
+        if not _extends(forward, previous) or previous is None or previous.tools != tools:
             return None
         added = forward.messages[len(previous.sent):]
         return previous.tokens + self.counter.count(added) + SLACK * (len(added) + 1)
 
     def fit(self, forward: Forward, previous: Layout | None, client: list[Message], body: ProxyRequest,
-            budget: int) -> tuple[Forward, int, bool]:
+            budget: int, tools: str) -> tuple[Forward, int, bool]:
         """``forward``, or the client's own messages when the layout would not fit or holds too many errata; a 413
         when even those do not fit. With the prompt's tokens, and whether they were counted whole (else a bound,
-        which fits with room to spare: a whole count of a long prompt costs milliseconds)."""
-        tools = json.dumps(body.tools, ensure_ascii=False, sort_keys=True) if body.tools else ""
+        which fits with room to spare: a whole count of a long prompt costs milliseconds). ``tools``: the request's
+        tools as JSON (what the previous count must have been made under)."""
         if len(forward.layout.errata) > self.config.max_errata:
             forward = Forward(client, Layout.rebuilt(client), "rebuild")
         bound = self.bound(forward, previous, tools)
@@ -269,11 +267,12 @@ class Proxy:
         try:
             layout = self.sessions.get(tenant, key) if key is not None else None
             forward = self.planner.plan(layout, client)
-            short = forward.kind in ("append", "errata") and layout is not None and layout.tokens is not None
-            if short and not body.tools:  # only the added messages are counted: on the event loop
-                forward, tokens, exact = self.fit(forward, layout, client, body, budget)
-            else:  # a whole prompt is tokenized: off the event loop
-                forward, tokens, exact = await asyncio.to_thread(self.fit, forward, layout, client, body, budget)
+            tools = json.dumps(body.tools, ensure_ascii=False, sort_keys=True) if body.tools else ""
+            if _extends(forward, layout) and not body.tools:  # only the added messages are counted: on the loop
+                forward, tokens, exact = self.fit(forward, layout, client, body, budget, tools)
+            else:  # a whole prompt may be tokenized: off the event loop
+                forward, tokens, exact = await asyncio.to_thread(self.fit, forward, layout, client, body, budget,
+                                                                 tools)
             route = self._mac("route", tenant.name, key) if key is not None else self._mac(
                 "route", tenant.name, json.dumps(client[0], sort_keys=True))
             upstream_body = self._body(tenant, body, forward, budget, route if key is not None else None)
@@ -283,7 +282,6 @@ class Proxy:
                 self.metrics.errata.inc(len(forward.errata))
             headers = {"X-KVAgent-Layout": forward.kind, "X-KVAgent-Errata": str(len(forward.layout.errata)),
                        "X-KVAgent-Prompt-Tokens": str(tokens), "X-KVAgent-Prompt-Count": "exact" if exact else "bound"}
-            tools = json.dumps(body.tools, ensure_ascii=False, sort_keys=True) if body.tools else ""
             if body.stream:
                 response = await self._stream(upstream, upstream_body, tenant, key, forward, headers, hold, tools)
                 handed = True
@@ -463,6 +461,11 @@ def _reply(data: dict[str, Any]) -> Message | None:
                                            "arguments": (c.get("function") or {}).get("arguments")}}
                              for c in message["tool_calls"]]
     return out
+
+
+def _extends(forward: Forward, previous: Layout | None) -> bool:
+    """Whether ``forward`` is the previous request and its reply plus messages, with the engine's count of those."""
+    return forward.kind in ("append", "errata") and previous is not None and previous.tokens is not None
 
 
 def _used(usage: Any) -> int | None:
