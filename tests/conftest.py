@@ -1,7 +1,9 @@
-"""Shared fixtures, and the two test tiers.
+"""Shared fixtures, and the test tiers (the rule is in tests/tiers.py).
 
-``make test`` runs the fast tier: ``pytest`` (its default ``-m 'not full'``). ``make test-all`` runs it and then
-the rest: ``pytest -m full``. No case runs in both. A case belongs to the full tier when it is marked
+``make test`` runs the fast tier: ``pytest`` (its default ``-m 'not full and not engines'``). ``make test-all`` runs
+it and then the rest: ``pytest -m 'full and not engines'``; no case runs in both. ``make test-engines`` runs the cases
+that start llama.cpp's ``llama-server`` or vLLM (``pytest -m engines``), which CI never runs. A case belongs to the
+full tier when it is marked
 
 - ``slow``: long-running;
 - ``e2e``: a whole process or a long run of one (the server soak, fuzz at length, the desktop app, the

@@ -11,7 +11,7 @@ import pytest
 
 from kvagent_bench.server import load
 
-pytestmark = pytest.mark.bench  # the kvagent-bench distribution: the full tier
+pytestmark = pytest.mark.engines  # a real llama-server (make llama-server): `make test-engines`, never in CI
 
 
 def first_turns(tmp_path: Path, *, warm: bool, slots: int = 2) -> list[load.TurnRecord]:

@@ -149,6 +149,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield engine, server
 
 
+@pytest.mark.engines
 def test_one_case_through_every_arm_on_llama_server(real: Any) -> None:
     """In place, llama-server's reuse matcher shifts nothing behind a changed value (every arm recomputes from the
     change and decides as the cold prompt); moved, a chunk of 32 keeps the notes' cached KV. The cold oracle's

@@ -1,6 +1,6 @@
 """``kvagent serve --upstream`` in front of real engines on 127.0.0.1, driven by the official ``openai`` client:
-llama-cpp-python's own server (installed by ``make``), and vLLM's CPU build (``make vllm``; those cases skip,
-naming it, where it is not built).
+llama-cpp-python's own server (installed by ``make``), and vLLM's CPU build (``make vllm``; its case runs in the
+engines tier, ``make test-engines``, and skips there, naming the target, where it is not built).
 
 The proxy runs in this process under uvicorn on a loopback port, with a transport that records what it sends, so
 each case checks both what the client saw and what reached the engine.
@@ -172,6 +172,7 @@ def _heldout(url: str, key: str, turns: int, metrics: Any) -> list[tuple[float, 
     return out
 
 
+@pytest.mark.engines
 def test_through_the_proxy_vllm_reads_the_prompt_from_its_prefix_cache(vllm: Any) -> None:
     """vLLM's own counters: over the turns after the first, the proxy's requests hit >= 0.95 of their prompt tokens;
     the same client straight to vLLM <= 0.1."""

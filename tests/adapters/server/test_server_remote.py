@@ -32,6 +32,8 @@ def llama_cpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 # (server fixture, extra request fields, whether it reports cached tokens)
 SERVERS = {"llama_cpp.server": ("llama_server", {}, False),
            "llama-server": ("llama_cpp_server", {"cache_prompt": True}, True)}
+# llama-server (make llama-server) runs in the engines tier (`make test-engines`), never in CI
+SERVER_PARAMS = [pytest.param(name, marks=pytest.mark.engines) if name == "llama-server" else name for name in SERVERS]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def counter() -> Iterator[Any]:
     c.close()
 
 
-@pytest.mark.parametrize("server", list(SERVERS))
+@pytest.mark.parametrize("server", SERVER_PARAMS)
 def test_ten_turns_ten_field_changes_extend_byte_for_byte_and_counts_match(server: str, counter: Any,
                                                                           request: pytest.FixtureRequest) -> None:
     from kvagent import Segment
@@ -88,7 +90,7 @@ def test_ten_turns_ten_field_changes_extend_byte_for_byte_and_counts_match(serve
         assert sent[len(sent_prev) + 1]["content"].startswith("[STATE UPDATE]")
 
 
-@pytest.mark.parametrize("server", list(SERVERS))
+@pytest.mark.parametrize("server", SERVER_PARAMS)
 def test_streaming_a_remote_reply(server: str, counter: Any, request: pytest.FixtureRequest) -> None:
     from kvagent import Segment
     from kvagent_server.remote import RemoteEngine
