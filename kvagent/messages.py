@@ -12,12 +12,11 @@ otherwise the prompt is rebuilt with the current field values folded into the fi
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from kvagent.errors import SegmentOrderError
-from kvagent.segments import Segment, SegmentKind, field_values
+from kvagent.segments import Segment, SegmentKind, field_values, fresh_id
 from kvagent.tools.format import HERMES, ToolCall, ToolFormat
 
 if TYPE_CHECKING:
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 _PREFIX = "msg-"
-_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ def to_segment(message: ChatMessage, *, leading: bool, tool_format: ToolFormat =
     """The segment of one message; ``leading``: a system message before any other message (the policy); calls and
     results in ``tool_format``; a tool result ``opens`` its user message unless it follows another result the format
     joins it to, and is joined to the next where ``then_result``."""
-    sid = f"{_PREFIX}{next(_ids)}"
+    sid = fresh_id(_PREFIX)  # unique beside the ids of a snapshot another process saved
     if message.role == "system":
         return Segment.policy(message.content, id=sid) if leading else Segment.memory(message.content, id=sid)
     if message.role == "user":

@@ -10,6 +10,8 @@ which the edit, transplant and eviction machinery rely on.
 from __future__ import annotations
 
 import itertools
+import os
+import secrets
 import string
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -34,7 +36,37 @@ class SegmentKind(str, Enum):
 _PINNED_BY_DEFAULT = {SegmentKind.POLICY, SegmentKind.FIELD, SegmentKind.ERRATUM}
 # tool: a result its tool format writes as a turn of its own; tools: the tools, where they are a message of their own
 _ROLES = ("system", "user", "assistant", "tool", "tools")
+
+
+def _process_tag() -> str:
+    return secrets.token_hex(6)
+
+
+_tag = _process_tag()
 _ids = itertools.count()
+
+
+def _after_fork() -> None:
+    # a forked worker inherits the parent's tag and counter: with them it would hand out the ids its parent or a
+    # sibling hands out next, and a snapshot one of them saves would collide with the other's new segments
+    global _tag
+    _tag = _process_tag()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def fresh_id(prefix: str) -> str:
+    """A new segment id: ``prefix``, this process's random tag (48 bits, drawn at import and again in a forked child)
+    and a counter, e.g. ``msg-3f0c9a1b2d4e-7``.
+
+    Contract: no other call in this process returns it; another process returns it only if both drew the same tag.
+    Ids need only be unique within one prompt, but a prompt outlives its process: a snapshot restored by another
+    process (a restarted worker, another machine) keeps its segments' ids, and the segments that process adds sit
+    beside them; a counter alone starts again at 0 in each process and hands the restored ids out a second time."""
+    return f"{prefix}{_tag}-{next(_ids)}"
+
 
 DEFAULT_FIELD_TEMPLATE = "{name}: {value}"
 DEFAULT_ERRATUM_TEMPLATE = "[STATE UPDATE] {name} -> {value}; overrides any previous value"
@@ -110,7 +142,7 @@ class Segment:
 
     def __post_init__(self) -> None:
         if not self.id:
-            object.__setattr__(self, "id", f"{self.kind.value}-{next(_ids)}")
+            object.__setattr__(self, "id", fresh_id(f"{self.kind.value}-"))
         if self.pinned is None:
             object.__setattr__(self, "pinned", self.kind in _PINNED_BY_DEFAULT)
         if self.role not in _ROLES:
@@ -390,6 +422,7 @@ __all__ = [
     "Tokenizer",
     "check_template",
     "common_prefix",
+    "fresh_id",
     "render_template",
     "segment_from_dict",
     "segment_to_dict",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 
 from kvagent.errors import SegmentOrderError
@@ -31,6 +33,23 @@ def test_messages_map_to_segments(messages: list[ChatMessage], expected: list[tu
     segments = to_segments(messages)
     assert [(s.kind.value, s.role, s.text) for s in segments] == expected
     assert all(is_message_segment(s) for s in segments)
+
+
+def _first_ids() -> list[str]:
+    """The ids of the first segments a process makes: messages' and unnamed ones."""
+    return [*(s.id for s in to_segments([SYS, USER, BOT])), Segment.user("x").id, Segment.erratum("status", 1).id]
+
+
+@pytest.mark.parametrize("start", ["spawn", "fork"])  # a restarted worker; workers forked from one parent
+def test_two_processes_never_give_segments_the_same_id(start: str) -> None:
+    """A snapshot restored by another process keeps its segments' ids, and the segments that process adds go beside
+    them: ids made in two processes (each new, or forked from one parent at the same point) never meet."""
+    made = []
+    for _ in range(2):
+        with multiprocessing.get_context(start).Pool(1) as pool:
+            made.append(pool.apply(_first_ids))
+    assert not set(made[0]) & set(made[1]), made
+    assert all(len(set(ids)) == len(ids) for ids in made), made
 
 
 def test_unknown_role_is_refused_by_name() -> None:
