@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from cachetools import LRUCache
 
 from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.messages import ChatMessage
@@ -225,7 +226,7 @@ class ToolSets:
 
     def __init__(self, engine: Engine, limit: int = 64, *, scope: str = "", library: Any = None) -> None:
         self.engine, self.limit, self.scope, self.library = engine, limit, scope, library
-        self._done: OrderedDict[str, tuple[ToolSet, tuple[Segment, ...]]] = OrderedDict()
+        self._done: LRUCache[str, tuple[ToolSet, tuple[Segment, ...]]] = LRUCache(maxsize=limit)
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -244,17 +245,17 @@ class ToolSets:
 
     def lookup(self, key: str) -> tuple[ToolSet, tuple[Segment, ...]] | None:
         with self._lock:
-            found = self._done.get(key)
+            found = self._done.get(key)  # a hit becomes the most recent
             if found is not None:
-                self._done.move_to_end(key)
                 self.hits += 1
             return found
 
     def put(self, key: str, built: tuple[ToolSet, tuple[Segment, ...]]) -> tuple[ToolSet, tuple[Segment, ...]]:
         with self._lock:
-            self._done[key] = built
-            while len(self._done) > self.limit:
-                self._done.popitem(last=False)
+            # limit 0 keeps nothing (cachetools refuses any store into it); a set a concurrent miss put first keeps
+            # its place (only a lookup is a use)
+            if self.limit and key not in self._done:
+                self._done[key] = built
         return built
 
     def build(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ToolSet, tuple[Segment, ...]]:

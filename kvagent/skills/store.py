@@ -14,10 +14,11 @@ import json
 import logging
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+from cachetools import LRUCache
 
 from kvagent.errors import KVBlobError, SkillStoreError
 from kvagent.kvblob import KVBlob
@@ -56,8 +57,7 @@ class SkillStore:
         if root is None:  # the shared default: refused where another user could put KV bytes there
             root = private_dir(private_dir(cache_dir()) / "skills", "kvagent's compiled skill folder")
         self.root = root
-        self._lru: OrderedDict[str, KVBlob] = OrderedDict()
-        self._lru_size = lru_size
+        self._lru: LRUCache[str, KVBlob] = LRUCache(maxsize=lru_size)
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}{SUFFIX}"
@@ -79,9 +79,8 @@ class SkillStore:
 
     def get(self, key: str, *, fingerprint: str, backend_format: str, name: str = "?") -> KVBlob:
         """The checked blob for ``key``; :class:`SkillStoreError` (with the fix) when absent or refused."""
-        blob = self._lru.get(key)
+        blob = self._lru.get(key)  # a hit is a use: it becomes the most recent
         if blob is not None:
-            self._lru.move_to_end(key)
             return blob
         try:
             raw = self.path(key).read_bytes()
@@ -125,10 +124,8 @@ class SkillStore:
         return out
 
     def _remember(self, key: str, blob: KVBlob) -> None:
-        self._lru[key] = blob
-        self._lru.move_to_end(key)
-        while len(self._lru) > self._lru_size:
-            self._lru.popitem(last=False)
+        if self._lru.maxsize:  # lru_size 0 keeps nothing in memory (cachetools refuses any store into it)
+            self._lru[key] = blob
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

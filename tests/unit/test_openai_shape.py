@@ -10,7 +10,7 @@ import pytest
 from kvagent.conversation import Cost
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
-from kvagent.openai_shape import (MessageError, StreamedCalls, chat_messages, cut_calls, reply_message,
+from kvagent.openai_shape import (MessageError, StreamedCalls, ToolSets, chat_messages, cut_calls, reply_message,
                                   response_schema, usage)
 from kvagent.tools import ToolCall
 
@@ -137,3 +137,22 @@ def test_reply_and_usage() -> None:
     called = _gen("", "tool_calls", (ToolCall("a", {"x": 1}, "c0"),))
     assert reply_message(called)["tool_calls"] == [
         {"id": "c0", "type": "function", "function": {"name": "a", "arguments": '{"x": 1}'}}]
+
+
+@pytest.mark.parametrize(("limit", "ops", "kept"), [
+    (2, "+a +b +c", "bc"),  # the least recently used set is dropped first
+    (2, "+a +b ?a +c", "ac"),  # a hit is a use
+    (2, "+a +b +a +c", "bc"),  # building it again (concurrent misses) is not
+    (0, "+a", ""),  # limit 0 keeps nothing
+])
+def test_tool_sets_keep_the_most_recently_used(limit: int, ops: str, kept: str) -> None:
+    """``+k`` puts tool set ``k``, ``?k`` looks it up (no engine: nothing is built)."""
+    sets = ToolSets(engine=None, limit=limit)  # type: ignore[arg-type]
+    for op in ops.split():
+        if op[0] == "+":
+            sets.put(op[1], (None, (op[1],)))  # type: ignore[arg-type]
+        else:
+            assert sets.lookup(op[1]) is not None
+    hits = sets.hits
+    assert "".join(k for k in "abc" if sets.lookup(k) is not None) == kept
+    assert sets.hits == hits + len(kept)

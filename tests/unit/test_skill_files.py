@@ -73,6 +73,33 @@ def test_store_round_trip_lru_and_sidecar(tmp_path: Path) -> None:
     assert [(e.name, e.n_tokens) for e in fresh.entries()] == [("refunds", 2)]
 
 
+@pytest.mark.parametrize(("size", "ops", "in_memory"), [
+    (2, "+a +b +c", "bc"),  # the least recently used blob leaves memory first
+    (2, "+a +b ?a +c", "ac"),  # a hit is a use
+    (2, "+a +b +a +c", "ac"),  # so is storing it again
+    (0, "+a", ""),  # size 0 keeps nothing in memory
+])
+def test_store_keeps_the_most_recently_used_blobs_in_memory(tmp_path: Path, size: int, ops: str,
+                                                            in_memory: str) -> None:
+    """``+k`` stores blob ``k``, ``?k`` reads it; then the files go and only what memory holds still reads."""
+    store = SkillStore(tmp_path, lru_size=size)
+    for op in ops.split():
+        if op[0] == "+":
+            store.put(op[1], _blob(), name=op[1], version="1", model="m", n_tokens=3)
+        else:
+            store.get(op[1], fingerprint="f" * 64, backend_format="fmt")
+    for f in tmp_path.iterdir():
+        f.unlink()
+    held = ""
+    for key in "abc":
+        try:
+            store.get(key, fingerprint="f" * 64, backend_format="fmt")
+            held += key
+        except SkillStoreError:
+            pass
+    assert held == in_memory
+
+
 @pytest.mark.parametrize(
     ("mutate", "fingerprint", "match"),
     [

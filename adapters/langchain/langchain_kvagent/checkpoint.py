@@ -23,10 +23,10 @@ import os
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Collection, Iterator, Mapping, Protocol, Sequence
 
+from cachetools import FIFOCache
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 
@@ -65,20 +65,21 @@ class MemorySnapshots:
         if max_bytes < 1 or keep_per_thread < 1:
             raise ValueError("MemorySnapshots needs max_bytes >= 1 and keep_per_thread >= 1")
         self.max_bytes, self.keep = max_bytes, keep_per_thread
-        self._kept: OrderedDict[Key, bytes] = OrderedDict()
+        # the oldest written dropped first beyond max_bytes; a read changes nothing
+        self._kept: FIFOCache[Key, bytes] = FIFOCache(maxsize=max_bytes, getsizeof=len)
         self._lock = threading.Lock()
 
     def put(self, key: Key, data: bytes) -> bool:
         if len(data) > self.max_bytes:
             return False
         with self._lock:
-            self._kept[key] = data
-            self._kept.move_to_end(key)
+            # every entry is inserted afresh, so iteration runs oldest first; the thread's own oldest go before the
+            # insertion drops other threads' snapshots for room
+            self._kept.pop(key, None)
             mine = [k for k in self._kept if k[0] == key[0]]
-            for old in mine[: max(0, len(mine) - self.keep)]:
+            for old in mine[: max(0, len(mine) + 1 - self.keep)]:
                 del self._kept[old]
-            while sum(len(v) for v in self._kept.values()) > self.max_bytes:
-                self._kept.popitem(last=False)
+            self._kept[key] = data
         return True
 
     def get(self, key: Key) -> bytes | None:
@@ -92,7 +93,7 @@ class MemorySnapshots:
 
     def size(self) -> int:
         with self._lock:
-            return sum(len(v) for v in self._kept.values())
+            return self._kept.currsize
 
 
 class SQLiteSnapshots:

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, NotRequired, Sequence, TypedDict
 
+from cachetools import FIFOCache
 from langchain.agents.middleware import AgentMiddleware, ModelRequest
 from langchain_core.callbacks import adispatch_custom_event, dispatch_custom_event
 from langchain_core.messages import AIMessage
@@ -115,7 +117,9 @@ class KVCacheMiddleware(AgentMiddleware):
         self.checkpointer = checkpointer
         self._universe: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._add_tools(tools)
-        self._calls: OrderedDict[str, deque[ModelCall]] = OrderedDict()
+        # the threads called last; a read (calls()) changes nothing, and they iterate least recently called first
+        self._calls: FIFOCache[str, deque[ModelCall]] = FIFOCache(maxsize=THREADS_KEPT)
+        self._calls_lock = threading.Lock()  # sync calls of several threads may run at once (a batch, parallel nodes)
         self._restored: set[str] = set()
 
     # -- the model and the thread -------------------------------------------------------------------
@@ -153,9 +157,10 @@ class KVCacheMiddleware(AgentMiddleware):
     def calls(self, thread: str | None = None) -> list[ModelCall]:
         """What each model call of ``thread`` (default: every thread) cost, oldest first (the last 256 calls of each of
         the 1,024 threads called last)."""
-        if thread is not None:
-            return list(self._calls.get(str(thread), ()))
-        return [c for kept in self._calls.values() for c in kept]
+        with self._calls_lock:
+            if thread is not None:
+                return list(self._calls.get(str(thread), ()))
+            return [c for kept in self._calls.values() for c in kept]
 
     # -- tools ----------------------------------------------------------------------------------------
     def _add_tools(self, tools: Sequence[Any]) -> list[dict[str, Any]] | None:
@@ -198,10 +203,12 @@ class KVCacheMiddleware(AgentMiddleware):
                          int(meta["transplanted"]), int(usage.get("output_tokens", 0)), float(meta.get("ttft_s", 0)),
                          tuple(str(e.get("kind")) for e in meta.get("edits", [])), key in self._restored)
         self._restored.discard(key)
-        self._calls.setdefault(key, deque(maxlen=CALLS_KEPT)).append(call)
-        self._calls.move_to_end(key)
-        while len(self._calls) > THREADS_KEPT:  # the threads least recently called first
-            self._calls.popitem(last=False)
+        with self._calls_lock:
+            kept = self._calls.pop(key, None)
+            if kept is None:
+                kept = deque(maxlen=CALLS_KEPT)
+            kept.append(call)
+            self._calls[key] = kept  # inserted afresh, so the newest: the cache drops in insertion order
         return asdict(call)
 
     def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]) -> Any:

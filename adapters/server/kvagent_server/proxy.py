@@ -31,12 +31,13 @@ import hmac
 import json
 import logging
 import re
+import threading
 import weakref
-from collections import OrderedDict
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Literal
 
 import httpx
+from cachetools import FIFOCache, cachedmethod
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -138,10 +139,11 @@ class UpstreamFailed(ServerError):
 
 class Sessions:
     """Each tenant's layouts, the least recently used forgotten beyond ``max_sessions`` (its client's next request
-    starts a new layout: a cold prefix, nothing lost); one lock per session."""
+    starts a new layout: a cold prefix, nothing lost); one lock per session. A session's use is its last completed
+    request: reading its layout does not count (the request may yet fail)."""
 
     def __init__(self) -> None:
-        self._layouts: dict[str, OrderedDict[str, Layout]] = {}
+        self._layouts: dict[str, FIFOCache[str, Layout]] = {}
         self._locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
 
     def lock(self, tenant: Tenant, key: str) -> asyncio.Lock:
@@ -154,11 +156,9 @@ class Sessions:
         return self._layouts.get(tenant.name, {}).get(key)
 
     def put(self, tenant: Tenant, key: str, layout: Layout) -> None:
-        mine = self._layouts.setdefault(tenant.name, OrderedDict())
+        mine = self._layouts.setdefault(tenant.name, FIFOCache(maxsize=tenant.max_sessions))
+        mine.pop(key, None)  # inserted afresh, so the newest: the cache drops in insertion order, a read moves nothing
         mine[key] = layout
-        mine.move_to_end(key)
-        while len(mine) > tenant.max_sessions:
-            mine.popitem(last=False)
 
     def count(self) -> int:
         return sum(len(v) for v in self._layouts.values())
@@ -177,7 +177,8 @@ class Proxy:
         self.counter = counter if counter is not None else counter_for(config.model)
         self.planner = Planner(role=config.erratum_role, inplace_tail_chars=config.inplace_tail_chars)
         self.sessions = Sessions()
-        self._tool_tokens: OrderedDict[str, int] = OrderedDict()
+        self._tool_tokens: FIFOCache[Any, int] = FIFOCache(maxsize=64)  # a count never changes: first in, first out
+        self._tool_lock = threading.Lock()  # fit() runs in worker threads
 
     # -- keys ---------------------------------------------------------------------------------------
     def _mac(self, *parts: str) -> str:
@@ -196,16 +197,15 @@ class Proxy:
         renders tools into the prompt (an upper estimate where the template rewrites them)."""
         total = self.counter.count(messages)
         if tools:
-            text = json.dumps(tools, ensure_ascii=False)
-            cached = self._tool_tokens.get(text)
-            if cached is None:
-                tokenize = getattr(self.counter, "tokenize", None)
-                cached = len(tokenize(text)) if tokenize is not None else len(text) // 2
-                self._tool_tokens[text] = cached
-                if len(self._tool_tokens) > 64:
-                    self._tool_tokens.popitem(last=False)
-            total += cached
+            total += self._tool_count(json.dumps(tools, ensure_ascii=False))
         return total
+
+    @cachedmethod(lambda self: self._tool_tokens, lock=lambda self: self._tool_lock)
+    def _tool_count(self, text: str) -> int:
+        """Tokens of the tools' JSON ``text``, kept: a client resends the same tools with every request (counted
+        outside the lock)."""
+        tokenize = getattr(self.counter, "tokenize", None)
+        return len(tokenize(text)) if tokenize is not None else len(text) // 2
 
     def bound(self, forward: Forward, previous: Layout | None, tools: str) -> int | None:
         """An upper bound of the forwarded prompt's tokens that tokenizes only what was added: the engine's count of

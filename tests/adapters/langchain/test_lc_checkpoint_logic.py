@@ -18,7 +18,7 @@ from langgraph.graph import END, START, StateGraph
 from kvagent.fields import FieldSpec
 from kvagent.sessions import Snapshot
 from kvagent.sessions.snapshot import SnapshotSignatureError
-from langchain_kvagent import ChatKVAgent, KVCacheMiddleware, KVCheckpointer, NotKVAgentModelError
+from langchain_kvagent import ChatKVAgent, KVCacheMiddleware, KVCheckpointer, NotKVAgentModelError, middleware
 from langchain_kvagent.checkpoint import MemorySnapshots, SQLiteSnapshots
 from langchain_kvagent.errors import UndeclaredFieldError
 
@@ -42,12 +42,16 @@ def _key(thread: str, n: int) -> tuple[str, str, str]:
     ([("a", 1, 40), ("b", 1, 200)], {"max_bytes": 100}, [("a", 1)]),
     # another thread is untouched by a thread's own bound
     ([("a", 1, 10), ("b", 1, 10), ("a", 2, 10)], {"keep_per_thread": 1}, [("b", 1), ("a", 2)]),
+    # a thread's own bound frees room before the total bound drops another thread's snapshot
+    ([("b", 1, 40), ("a", 1, 40), ("a", 2, 40)], {"keep_per_thread": 1, "max_bytes": 100}, [("b", 1), ("a", 2)]),
+    # a snapshot written again is the newest
+    ([("a", 1, 40), ("b", 1, 40), ("a", 1, 40), ("c", 1, 40)], {"max_bytes": 100}, [("a", 1), ("c", 1)]),
 ])
 def test_snapshot_stores_are_bounded(tmp_path: Path, store: str, puts: list, bounds: dict, kept: list) -> None:
     s = STORES[store](tmp_path, **bounds)
     for thread, n, size in puts:
         s.put(_key(thread, n), bytes([n]) * size)
-    everything = [(t, n) for t, n, _ in puts]
+    everything = list(dict.fromkeys((t, n) for t, n, _ in puts))
     assert [(t, n) for t, n in everything if s.get(_key(t, n)) is not None] == kept
     s.delete_thread("a")
     assert all(s.get(_key("a", n)) is None for _, n, _ in puts)
@@ -119,3 +123,24 @@ def test_an_agent_on_another_model_is_refused_before_it_calls() -> None:
     with pytest.raises(NotKVAgentModelError, match="create_agent\\(ChatKVAgent"):
         agent.invoke({"messages": [("user", "hello")]})
     assert next(fake.messages).content == "hi"  # the fake was never called: its reply is still there
+
+
+@pytest.mark.parametrize(("ops", "calls"), [
+    ("a b c", "b1 c2"),  # the thread least recently called is forgotten first
+    ("a b a c", "a0 a2 c3"),  # a call is a use; threads run least recently called first
+    ("a b a? c", "b1 c3"),  # reading its calls is not
+    ("a a a", "a1 a2"),  # each thread keeps its last calls
+])
+def test_the_middleware_keeps_the_last_calls_of_the_threads_called_last(monkeypatch: pytest.MonkeyPatch, ops: str,
+                                                                         calls: str) -> None:
+    """Op ``n`` ``k`` records a call of thread ``k`` that computed ``n`` tokens, ``k?`` reads thread ``k``'s calls;
+    two threads of two calls are kept."""
+    monkeypatch.setattr(middleware, "THREADS_KEPT", 2)
+    monkeypatch.setattr(middleware, "CALLS_KEPT", 2)
+    kv = KVCacheMiddleware()
+    for n, op in enumerate(ops.split()):
+        if op.endswith("?"):
+            assert kv.calls(op[0])
+        else:
+            kv._record(op, AIMessage("", response_metadata={"reused": 0, "computed": n, "transplanted": 0}))
+    assert " ".join(f"{c.thread}{c.computed}" for c in kv.calls()) == calls

@@ -16,8 +16,10 @@ import httpx
 import pytest
 
 from kvagent_server.config import ServerConfig
-from kvagent_server.proxy import create_proxy_app
-from kvagent_server.tenants import key_hash
+from kvagent_server.layout import Layout
+from kvagent_server.metrics import Metrics
+from kvagent_server.proxy import Proxy, Sessions, create_proxy_app
+from kvagent_server.tenants import Tenant, key_hash
 
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-0123456789"
 SYSTEM = "You are the support agent.\nCurrent time: {clock}\n" + "Clause: refunds within 30 days.\n" * 40
@@ -293,3 +295,51 @@ async def test_every_route_checks_who_asks(tmp_path: Path) -> None:
         health = await stranger.get("/health")
     assert (chat.status_code, models.status_code, metrics.status_code, health.status_code) == (401, 401, 403, 200)
     assert engine.seen == []
+
+
+@pytest.mark.parametrize(("ops", "kept"), [
+    ("a+ b+ c+", {"alice": "bc"}),  # the session least recently written is forgotten first
+    ("a+ b+ a+ c+", {"alice": "ac"}),  # a completed request is a use
+    ("a+ b+ a? c+", {"alice": "bc"}),  # reading the layout is not (the request may yet fail)
+    ("a+ b+ c+ bob:a+", {"alice": "bc", "bob": "a"}),  # each tenant has its own bound
+])
+def test_sessions_forget_the_least_recently_completed_beyond_the_tenants_bound(ops: str,
+                                                                                 kept: dict[str, str]) -> None:
+    """``k+`` puts session ``k``'s layout, ``k?`` reads it; ``tenant:`` names another tenant than alice."""
+    tenants = {name: Tenant(name, 2, 0, 1) for name in ("alice", "bob")}
+    sessions = Sessions()
+    for op in ops.split():
+        tenant, _, op = op.rpartition(":")
+        if op[-1] == "+":
+            sessions.put(tenants[tenant or "alice"], op[:-1], Layout.rebuilt([]))
+        else:
+            assert sessions.get(tenants[tenant or "alice"], op[:-1]) is not None
+    held = {name: "".join(k for k in "abc" if sessions.get(t, k) is not None) for name, t in tenants.items()}
+    assert {name: keys for name, keys in held.items() if keys} == kept
+    assert sessions.count() == sum(len(v) for v in kept.values())
+
+
+class Counting(Words):
+    """Words that records every text it tokenizes."""
+
+    def __init__(self) -> None:
+        self.tokenized: list[str] = []
+
+    def tokenize(self, text: str) -> list[int]:
+        self.tokenized.append(text)
+        return super().tokenize(text)
+
+
+@pytest.mark.parametrize(("sets", "tokenized"), [
+    (["a", "a"], 1),  # a client's tools are tokenized once
+    (["a", *map(str, range(64)), "a"], 66),  # 64 sets are kept: the first is dropped by the 65th
+    (["a", "b", "a", *map(str, range(63)), "a"], 66),  # the oldest count, reused or not, is dropped first
+])
+def test_the_tools_token_counts_are_kept_first_in_first_out(sets: list[str], tokenized: int) -> None:
+    counter = Counting()
+    proxy = Proxy(ServerConfig(model="smollm2-135m", upstream=("http://engine-a:8001/v1",)), b"s" * 32, Metrics(),
+                  counter, Engine().transport())
+    for name in sets:
+        tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+        assert proxy.count([], tools) == 8  # Words: the tools' JSON is 8 words
+    assert len(counter.tokenized) == tokenized
