@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,21 +22,23 @@ from kvagent.backends.base import Backend, BackendConfig
 from kvagent.backends.registry import backend_names, create_backend, default_gpu_layers
 from kvagent.chat_format import BUILTIN_FORMATS, ChatFormat
 from kvagent.errors import ChatTemplateError, KVAgentError
+from kvagent.eviction import Eviction, Evictor
 from kvagent.kv.pool import SequencePool
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.work import Work
 from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
 from kvagent.scheduler import Scheduler
 from kvagent.segments import Renderer, Segment, SegmentKind
+from kvagent.session import Session
+from kvagent.skills.library import SkillLibrary
+from kvagent.tools.format import HERMES, ToolFormat, format_of
+from kvagent.tools.template import tool_format_of
 
 if TYPE_CHECKING:
     from kvagent.edits import EditStrategy
     from kvagent.edits.implicit import CalibratedSplice
-    from kvagent.eviction import Eviction
     from kvagent.fields import FieldSpec
-    from kvagent.session import Session
     from kvagent.skills.fidelity import FidelityGuard
-    from kvagent.skills.library import SkillLibrary
     from kvagent.skills.store import SkillStore
     from kvagent.tools.spec import ToolSet
 
@@ -231,9 +233,6 @@ class Engine:
         skills: SkillLibrary | None = None, implicit_edits: CalibratedSplice | None = None,
     ) -> Work[Session]:
         """:meth:`session` as a unit of work (run on the scheduler: taking a sequence is a native call)."""
-        from kvagent.eviction import Evictor
-        from kvagent.session import Session
-
         evictor = Evictor(eviction, self.backend, self.model.path, self.pool.scratch) if eviction is not None else None
         renderer = self.renderer(chat, scope)
         library = (lambda: skills) if skills is not None else (lambda: self.skills)
@@ -280,8 +279,6 @@ class Engine:
         """A library of this model's compiled skills over ``store`` (default: ``cache_dir()/skills``);
         ``recompute``: the share of each transplant's positions decoded fresh, the most deviating from a cold
         prefill first (selective recompute, ``kvagent.skills.library``; 0: none)."""
-        from kvagent.skills.library import SkillLibrary
-
         return SkillLibrary(self.pool, self.fingerprint, self.model.name, store, recompute=recompute)
 
     def tool_segments(self, tools: ToolSet, *, chat: bool = True, library: SkillLibrary | None = None,
@@ -290,8 +287,6 @@ class Engine:
         template's where it has one, else kvagent's own), each compiled as a skill
         for this model once (stored: later sessions and processes transplant them instead of prefilling), into
         ``library`` (default: the engine's) with the renderer of ``scope``."""
-        from kvagent.tools.format import format_of
-
         renderer, library = self.renderer(chat, scope), library or self.skills
         segments = format_of(renderer).segments(tools)
 
@@ -310,11 +305,8 @@ class Engine:
         """Use another library (e.g. one over a store in another folder)."""
         self._skills = library
 
-    def _tool_format(self) -> Any:
+    def _tool_format(self) -> ToolFormat | None:
         """The tool format the model's chat template writes (``kvagent.tools.template``), or None: kvagent's own."""
-        from kvagent.tools.format import HERMES
-        from kvagent.tools.template import tool_format_of
-
         template = self.backend.chat_template
         if not template:
             return None

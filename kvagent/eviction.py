@@ -32,6 +32,7 @@ import numpy as np
 
 import kvagent.policies.last_layer as last_layer
 from kvagent.errors import EvictionError
+from kvagent.kv.compact import position_runs
 from kvagent.policies import CacheView, EvictionPolicy, get_policy, select_keep
 from kvagent.policies.base import under_prefix, with_prefix
 
@@ -354,26 +355,3 @@ def _rows(recorded: Mapping[int, np.ndarray], positions: np.ndarray) -> np.ndarr
         if r is not None:
             out[i] = r
     return out
-
-
-def position_runs(positions: list[int]) -> list[tuple[int, int]]:
-    """Ascending positions -> inclusive ``(first, last)`` runs of consecutive ones."""
-    runs: list[tuple[int, int]] = []
-    for p in positions:
-        if runs and p == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], p)
-        else:
-            runs.append((p, p))
-    return runs
-
-
-def compact_positions(backend: Backend, seq: int, kept: Sequence[int]) -> int:
-    """Renumber ``seq``'s cells at ``kept`` (ascending) to ``0..len(kept)-1`` in order, one ``seq_add`` per run of
-    consecutive positions (llama.cpp re-rotates the keys at the next decode); returns ``len(kept)``, the position the
-    next token takes. ``seq`` must hold its own cells: a shift moves a shared cell for every sequence holding it."""
-    at = 0
-    for first, last in position_runs(list(kept)):
-        if first != at:
-            backend.seq_add(seq, first, last + 1, at - first)
-        at += last - first + 1
-    return at

@@ -25,13 +25,13 @@ from kvagent.kv.sync import ImplicitEdit, PrefillReport
 from kvagent.sampling import Sampler
 from kvagent.segments import Rendered, Renderer, Segment, SegmentKind, common_prefix
 from kvagent.textstream import TextAssembler
-from kvagent.tools.format import ToolCall, format_of
+from kvagent.tools.format import ToolCall, call_schema, dumps, format_of
+from kvagent.tools.grammar import Constraint, accepts, json_grammar
 
 from kvagent.scheduler import Job, Scheduler, on_done
 
 if TYPE_CHECKING:
     from kvagent.kv.sequence import CachedSequence
-    from kvagent.tools.grammar import Constraint
     from kvagent.tools.spec import ToolSet
 
 # how many text pieces a generation may run ahead of its consumer before it waits for it
@@ -276,9 +276,6 @@ class Decoder:
     def _untagged(self, reply: str, tool_format: Any) -> list[ToolCall]:
         """The bare-JSON calls of a text reply (``ToolFormat.untagged_calls``) whose arguments the tool's schema
         accepts (the grammar held the text, not the JSON: a call that would not have passed it stays text)."""
-        from kvagent.tools.format import call_schema, dumps
-        from kvagent.tools.grammar import accepts, json_grammar
-
         calls = tool_format.untagged_calls(reply, self.tools)
         backend = self.host.cache.backend
         for call in calls:

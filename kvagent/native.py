@@ -38,6 +38,7 @@ from typing import Iterable, Literal, Protocol, Sequence
 import numpy as np
 
 from kvagent.errors import BackendError
+from kvagent.models import cache_dir, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +179,11 @@ def library_path() -> Path:
     """Where :func:`build_native` puts (or finds) the library for the installed wheel and source: in the cache
     folder's ``native`` folder, refused (:class:`~kvagent.errors.CacheFolderError`) where another user could write
     it (a library they put at this predictable path would run as this user)."""
-    from kvagent.models import cache_dir
-
     if not SOURCE.exists():
         raise BackendError(
             f"the native capture source {SOURCE} is missing (a broken install): reinstall kvagent, or use "
             "capture='python'"
         )
-    from kvagent.models import private_dir
-
     include, lib = wheel_dirs()
     folder = private_dir(private_dir(cache_dir()) / "native", "kvagent's native library folder")  # CacheFolderError
     return folder / f"kvcapture-{_build_key(include, lib)}.so"

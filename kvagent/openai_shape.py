@@ -19,6 +19,7 @@ from kvagent.errors import ContextOverflowError, KVAgentError
 from kvagent.messages import ChatMessage
 from kvagent.tools import ToolCall, ToolSet
 from kvagent.tools.format import HERMES, ToolFormat, format_of
+from kvagent.tools.grammar import check_schema
 from kvagent.tools.stream import CallDelta, CallSplitter
 
 if TYPE_CHECKING:
@@ -132,8 +133,6 @@ def response_schema(fmt: Mapping[str, Any] | None) -> dict[str, Any] | None:
                            param="response_format.json_schema")
     schema = inner.get("schema")
     schema = dict(schema) if isinstance(schema, Mapping) else dict(JSON_OBJECT)
-    from kvagent.tools.grammar import check_schema  # llguidance loads only where it is needed
-
     check_schema(f"response_format {inner.get('name')!r}", schema)
     return schema
 

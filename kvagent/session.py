@@ -36,7 +36,9 @@ from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
 from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix, field_values
 from kvagent.tools.format import attach as attach_tools
+from kvagent.tools.choice import ToolChoice, callable_tools, turn_grammar
 from kvagent.tools.format import format_of
+from kvagent.tools.grammar import Constraint
 from kvagent.tools.spec import ToolSet
 
 if TYPE_CHECKING:
@@ -388,9 +390,6 @@ class Session:
         base = attach_tools(self.renderer, self.replies.resolve_all(segments, self._segments)) if segments is not None else None
         constraint, called = None, None
         if tools or response_schema is not None:
-            from kvagent.tools.choice import ToolChoice, callable_tools, turn_grammar
-            from kvagent.tools.grammar import Constraint  # llguidance is loaded only where tools are
-
             choice = ToolChoice.of(tool_choice, tools or ToolSet(), parallel_tool_calls) if tools else None
             grammar = turn_grammar(tools, choice, response_schema, format_of(self.renderer), self.cache.backend)
             if grammar is not None:

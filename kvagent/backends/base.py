@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvagent.kv.rotate import RopeLayout
     from kvagent.native import Capture
 
 
@@ -59,6 +58,21 @@ class Capabilities:
     state_save: bool
     hidden_capture: bool
     swa_keeps_all: bool = True
+
+
+@dataclass(frozen=True)
+class RopeLayout:
+    """How a model's saved keys are rotated (:meth:`Backend.rope_layout`; ``kvagent.kv.rotate`` re-rotates them).
+
+    ``caches[c][j]``: (RoPE base, frequency scale) of the ``j``-th layer stored in the state's ``c``-th KV cache
+    block. ``style``: ``"norm"`` (adjacent pairs) or ``"neox"`` (halves). Each key row is ``n_head_kv`` heads of
+    ``head_dim`` values, the first ``n_rot`` of each head rotated.
+    """
+
+    style: str
+    head_dim: int
+    n_rot: int
+    caches: tuple[tuple[tuple[float, float], ...], ...]
 
 
 @runtime_checkable

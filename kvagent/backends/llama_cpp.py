@@ -23,17 +23,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import llama_cpp as C
 import numpy as np
 
-from kvagent.backends.base import BackendConfig, Capabilities
+from kvagent.backends.base import BackendConfig, Capabilities, RopeLayout
+from kvagent.backends.state import read_blocks
 from kvagent.errors import BackendError, DecodeAborted, KVCacheFullError
-from kvagent.kv.rotate import RopeLayout
-
-if TYPE_CHECKING:
-    from kvagent.native import Capture
+from kvagent.native import Capture, declare, load_capture, preempt_callback
 
 log = logging.getLogger(__name__)
 _ONE_ROPE = {"llama": "norm", "mistral3": "norm", "qwen2": "neox", "qwen3": "neox", "phi3": "neox"}
@@ -86,8 +84,6 @@ class GpuDevice:
 def _ggml_device_api() -> ctypes.CDLL:
     """The ggml device registry, looked up through libllama's handle: dlsym searches its dependencies, so this is
     the ``libggml`` instance llama.cpp itself uses (``llama_cpp._ggml`` would load a second copy of the file)."""
-    from kvagent.native import declare
-
     p, size = ctypes.c_void_p, ctypes.c_size_t
     return declare(C.llama_cpp._lib, {  # type: ignore[attr-defined]
         "ggml_backend_dev_count": (size, []),
@@ -190,8 +186,6 @@ class LlamaCppBackend:
         self.capture: Capture | None = None
         self._cb_eval = None  # keeps the callback alive as long as the context
         if cfg.capture != "none":
-            from kvagent.native import load_capture
-
             self.capture = load_capture(cfg.capture)  # type: ignore[arg-type]
             self._cb_eval = ctypes.cast(self.capture.cb_eval, C.ggml_backend_sched_eval_callback)
             cparams.cb_eval = self._cb_eval
@@ -415,8 +409,6 @@ class LlamaCppBackend:
             return True
         if self._offloaded:
             return False
-        from kvagent.native import preempt_callback
-
         address = preempt_callback()
         if address is None:
             return False
@@ -541,11 +533,9 @@ class LlamaCppBackend:
         C.llama_memory_clear(self._mem, True)
 
     def seq_positions(self, seq: int) -> list[int]:
-        """Positions of the cells ``seq`` holds (ascending), read from its saved state (``kvagent.kv.state``:
+        """Positions of the cells ``seq`` holds (ascending), read from its saved state (``kvagent.backends.state``:
         llama.cpp has no call listing a sequence's cells). For sliding-window models this is the full-attention
         cache. Costs one state save (tests, checks)."""
-        from kvagent.kv.state import read_blocks
-
         data = self.seq_save(seq)
         try:
             blocks, _ = read_blocks(data)

@@ -8,6 +8,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from kvagent.models import REGISTRY
+
 console = Console()
 
 
@@ -28,8 +30,6 @@ def print_table(title: str, columns: tuple[str, ...], rows: list[list[str]]) -> 
 
 def model_names(model: str | None) -> list[str]:
     """``[model]`` when one is given, else every registry model."""
-    from kvagent.models import REGISTRY
-
     return [model] if model else list(REGISTRY)
 
 

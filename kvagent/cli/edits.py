@@ -7,6 +7,8 @@ from pathlib import Path
 import typer
 
 from kvagent.cli.common import console, model_names
+from kvagent.edits.calibrate import ENGINE_SETTINGS, calibrate, calibrate_auto
+from kvagent.engine import Engine
 
 app = typer.Typer(help="Edit strategies: calibration of the selective and auto edits.", no_args_is_help=True)
 
@@ -27,12 +29,11 @@ def edits_calibrate(
     """Rank downstream positions by activation patching and pick the selective edit's K per model; with
     --auto, choose the auto edit's strategy per model, format and situation."""
     if auto:
-        from kvagent.edits.calibrate import calibrate_auto
-
         fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
         for name in model_names(model):
-            with console.status(f"calibrating the auto edit on {name}") as status:
-                result = calibrate_auto(name, auto_cases, fmts, out=str(out) if out else None,
+            with console.status(f"calibrating the auto edit on {name}") as status, \
+                    Engine.load(name, **ENGINE_SETTINGS) as engine:
+                result = calibrate_auto(engine, auto_cases, fmts, out=str(out) if out else None,
                                         progress=lambda msg: status.update(msg))
             for fmt, entry in result["formats"].items():
                 rows = ", ".join(
@@ -44,11 +45,9 @@ def edits_calibrate(
                               f"{entry['measured']['recompute']['n_flips']} flips: {rows}")
             console.print(f"written to {result['path']}")
         return
-    from kvagent.edits.calibrate import calibrate
-
     for name in model_names(model):
-        with console.status(f"calibrating {name}") as status:
-            result = calibrate(name, patch_cases, eval_cases, progress=lambda msg: status.update(msg))
+        with console.status(f"calibrating {name}") as status, Engine.load(name, **ENGINE_SETTINGS) as engine:
+            result = calibrate(engine, patch_cases, eval_cases, progress=lambda msg: status.update(msg))
         console.print(
             f"{name}: K={result['k']} (recovery by K: "
             + ", ".join(f"{k}: {r:.2f}" for k, r in result["recovery_by_k"].items())

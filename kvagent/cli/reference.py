@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
 from kvagent.cli.common import console, model_names, print_table
+from kvagent.engine import Engine
 from kvagent.errors import KVAgentError
+from kvagent.models import resolve_model
+from kvagent.reference.check import MIN_COSINE, MIN_TOP1, compare, prose_prompts
+from kvagent.reference.export import export_f32
 
 app = typer.Typer(help="The torch reference model (oracle) on the same GGUF.", no_args_is_help=True)
 
@@ -24,13 +29,7 @@ def reference_check(
 
     With --f32 the same comparison runs on a float32 copy of the weights, where llama.cpp does not
     quantize activations: what remains there is modelling error, not kernel noise."""
-    import json
-
-    from kvagent.engine import Engine
-    from kvagent.models import resolve_model
-    from kvagent.reference.check import MIN_COSINE, MIN_TOP1, compare, prose_prompts
-    from kvagent.reference.export import export_f32
-    from kvagent.transformer.model import Transformer
+    from kvagent.transformer.model import Transformer  # imports torch, an optional extra: loaded for this command only
 
     results = []
     for name in model_names(model):

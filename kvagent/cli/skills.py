@@ -8,7 +8,10 @@ import typer
 from rich.table import Table
 
 from kvagent.cli.common import console
+from kvagent.engine import Engine
 from kvagent.errors import KVAgentError
+from kvagent.skills.spec import load_skills
+from kvagent.skills.store import SkillStore
 
 app = typer.Typer(help="Skills: compile YAML skills to KV once per model, list what is compiled.", no_args_is_help=True)
 
@@ -21,9 +24,6 @@ def skills_compile(
 ) -> None:
     """Prefill each skill once for MODEL and store its KV (content-addressed; unchanged skills are skipped)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvagent.engine import Engine
-    from kvagent.skills.spec import load_skills
 
     try:
         specs = load_skills(paths or [Path("skills")])
@@ -55,8 +55,6 @@ def skills_compile(
 @app.command("list")
 def skills_list() -> None:
     """Show compiled skills: name, version, model, tokens, size on disk."""
-    from kvagent.skills.store import SkillStore
-
     store = SkillStore()
     table = Table(title=f"compiled skills in {store.root}")
     for col in ("name", "version", "model", "tokens", "size", "compiled", "key"):

@@ -4,6 +4,7 @@
 - ``prefix``: the radix index of shareable cached prefixes.
 - ``pool``: sequence ids, scratch sequences, the index and the record of shared cells.
 - ``sequence``: one sequence's cached tokens, logits, stale / evicted positions and their invariants.
+- ``compact``: runs of consecutive positions; renumbering a sequence's kept cells after an eviction cycle.
 - ``plan``: the pure split of a rendered prompt into decoded and transplanted runs.
 - ``sync``: bring a sequence to a rendered prompt, reusing what is cached.
 - ``splice``: rewrite one field's KV in place (field-only / selective edits).

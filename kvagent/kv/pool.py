@@ -16,10 +16,10 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
-from kvagent.backends.base import Backend
+from kvagent.backends.base import Backend, RopeLayout
 from kvagent.errors import KVAgentError
 from kvagent.kv.prefix import PrefixIndex
-from kvagent.kv.rotate import MoveCollision, RopeLayout, shift_saved
+from kvagent.kv.rotate import MoveCollision, shift_saved
 
 log = logging.getLogger(__name__)
 _UNSET = object()

@@ -12,7 +12,7 @@ angle ``delta * freq_scale * base^(-2i / n_rot)`` on each pair ``i`` of each hea
 ("Models Take Notes at Prefill", arXiv:2606.17107, for why a transplant may do this at all).
 
 The bytes are llama.cpp's per-sequence state (``llama_state_seq_get_data``), read by
-:func:`kvagent.kv.state.read_blocks` (two caches for sliding-window models: the full-attention layers', then the
+:func:`kvagent.backends.state.read_blocks` (two caches for sliding-window models: the full-attention layers', then the
 sliding-window one). Keys must be f16 (kvagent's contexts store f16 KV). Anything else is refused with
 :class:`ValueError` and the caller falls back to ``seq_add``.
 """
@@ -20,30 +20,15 @@ sliding-window one). Keys must be f16 (kvagent's contexts store f16 KV). Anythin
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvagent.kv.state import read_blocks
+from kvagent.backends.base import RopeLayout
+from kvagent.backends.state import read_blocks
 
 
 class MoveCollision(ValueError):
     """A move back would land cells on positions the payload keeps (or below 0): this payload cannot move so."""
-
-
-@dataclass(frozen=True)
-class RopeLayout:
-    """How a model's saved keys are rotated.
-
-    ``caches[c][j]``: (RoPE base, frequency scale) of the ``j``-th layer stored in the state's ``c``-th KV cache
-    block. ``style``: ``"norm"`` (adjacent pairs) or ``"neox"`` (halves). Each key row is ``n_head_kv`` heads of
-    ``head_dim`` values, the first ``n_rot`` of each head rotated.
-    """
-
-    style: str
-    head_dim: int
-    n_rot: int
-    caches: tuple[tuple[tuple[float, float], ...], ...]
 
 
 def _angles(delta: int, base: float, scale: float, n_rot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +84,7 @@ def shift_saved(payload: bytes | bytearray, start: int, delta: int, layout: Rope
     A move back (``delta < 0``) is allowed where no kept cell lies in ``[start + delta, start)`` and no position
     would fall below 0 (a splice moving the run after a field that got shorter: the bytes hold only that run).
 
-    Raises :class:`ValueError` where the bytes do not have the layout ``kvagent.kv.state.read_blocks`` reads
+    Raises :class:`ValueError` where the bytes do not have the layout ``kvagent.backends.state.read_blocks`` reads
     (another llama.cpp state format, quantized keys) or another count of caches or layers than ``layout``'s,
     or :class:`MoveCollision` (a ``ValueError``) where a move back would land cells on kept positions or below 0.
     """

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from kvagent.errors import DecodeAborted, KVAgentError
+from kvagent.kv.compact import compact_positions
 from kvagent.kv.pool import SequencePool
 from kvagent.kv.work import PAUSE, Work
 from kvagent.segments import Rendered
@@ -333,8 +334,6 @@ class CachedSequence:
         every evicted position becomes a closed hole. A cell another sequence shares would move for it too: the
         sequence first takes its own copy of its cells (through a scratch sequence, so a refused copy loses nothing);
         without a free scratch or room for the copy, the holes stay open until a later cycle (logged)."""
-        from kvagent.eviction import compact_positions
-
         first = next((i for i, c in enumerate(held) if c != i), None)
         if first is not None:  # else nothing moves
             if self.pool.shares_beyond(self.seq, held[first]) and not self._own_cells():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from kvagent.errors import MemoryEditError
-from kvagent.memory.blocks import MemoryBlock, Position, edited, find
+from kvagent.memory.blocks import MemoryBlock, Position, check_limit, edited, find
 from kvagent.memory.tools import describe, memory_edit
 from kvagent.segments import Segment
 
@@ -81,8 +81,6 @@ class Memory:
 
     def set(self, label: str, value: str) -> None:
         """Hold ``value`` for tail block ``label`` (placed by the next ``segments()``; checked against its limit)."""
-        from kvagent.memory.blocks import check_limit
-
         check_limit(find(self.blocks, label), value)
         self._values[label] = value
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from kvagent.transformer.weights import load_weights
+
 if TYPE_CHECKING:  # torch is imported where the policy runs, not when kvagent is imported
     import torch
 
@@ -36,8 +38,6 @@ def last_layer_model(path: Path) -> object:
 @lru_cache(maxsize=8)
 def model_args(path: Path) -> object:
     """The model's :class:`~kvagent.transformer.weights.ModelArgs` (read from the GGUF, no weights; cached per file)."""
-    from kvagent.transformer.weights import load_weights
-
     return load_weights(path, layers=[], with_embeddings=False).args
 
 

@@ -101,8 +101,6 @@ class FullSurprise(EvictionPolicy):
         position ``p - 1`` the cached keys after ``p``."""
         import torch
 
-        from kvagent.policies.last_layer import logsumexp_rows, previous_rows
-
         mirror = self.update_mirror(view)
         pos = torch.from_numpy(view.positions.astype(np.int64))
         tokens = torch.from_numpy(view.tokens.astype(np.int64))
@@ -110,7 +108,8 @@ class FullSurprise(EvictionPolicy):
             rows = torch.arange(len(view))
             q_tok, q_pos = tokens, pos
         else:
-            prev = view.previous if view.previous is not None else previous_rows(view.tokens.astype(np.int64), view.positions)
+            prev = (view.previous if view.previous is not None
+                    else last_layer.previous_rows(view.tokens.astype(np.int64), view.positions))
             rows = torch.from_numpy(np.flatnonzero(np.asarray(prev) >= 0))
             q_tok, q_pos = torch.from_numpy(np.asarray(prev, dtype=np.int64))[rows], pos[rows] - 1
         result = np.full(len(view), np.inf)
@@ -122,7 +121,7 @@ class FullSurprise(EvictionPolicy):
         )
         score = out.token_logits
         if self.proxy == "logprob":
-            score = score - logsumexp_rows(out.hidden, self._model.output)  # type: ignore[attr-defined]
+            score = score - last_layer.logsumexp_rows(out.hidden, self._model.output)  # type: ignore[attr-defined]
         result[rows.numpy()] = -score.numpy()
         return result
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from kvagent.errors import ContextOverflowError, SkillStoreError
 from kvagent.kv.pool import SequencePool
 from kvagent.kv.sequence import CachedSequence
+from kvagent.kv.state import rank_deviating
 from kvagent.kvblob import KVBlob
 from kvagent.segments import Rendered, Renderer, Segment
 from kvagent.skills.spec import SkillSpec
@@ -126,8 +127,6 @@ class SkillLibrary:
         renderer of the last compile by default), at the cost of one prefill of the skill; the payload is read
         from the store unless given. Keeps the top :data:`MAX_RECOMPUTE` share in the store's sidecar and in this
         library; returns the ranked skill."""
-        from kvagent.kv.state import rank_deviating
-
         backend = self._pool.backend
         payload = payload if payload is not None else self.fetch(skill).payload
         renderer = renderer or self._renderer

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvagent.errors import SkillFileError, ToolSpecError
 from kvagent.segments import Segment
-
-if TYPE_CHECKING:
-    from kvagent.tools.spec import ToolSet
+from kvagent.tools.spec import ToolSet, ToolSpec
 
 
 class ToolDeclaration(BaseModel):
@@ -79,8 +77,6 @@ class SkillSpec(BaseModel):
 
     def toolset(self) -> ToolSet:
         """The tools this skill declares (empty for other skills)."""
-        from kvagent.tools.spec import ToolSet, ToolSpec
-
         try:
             return ToolSet(ToolSpec(t.name, t.description, t.parameters, t.implementation, t.confirm) for t in self.tools)
         except ToolSpecError as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from kvagent.errors import ToolChoiceError
 from kvagent.tools import format as fmt
@@ -13,7 +13,16 @@ from kvagent.tools.spec import ToolSet
 
 if TYPE_CHECKING:
     from kvagent.backends.base import Backend
-    from kvagent.messages import ChatMessage
+
+
+class Message(Protocol):
+    """What :func:`spent_tools` and :func:`each_tool_once` read of a conversation's message
+    (:class:`kvagent.messages.ChatMessage` is one)."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def tool_calls(self) -> Sequence[fmt.ToolCall]: ...
 
 
 @dataclass(frozen=True)
@@ -161,7 +170,7 @@ def _bare_calls(tools: ToolSet) -> str:
     return "\n".join(rules) + "\n"
 
 
-def spent_tools(messages: Sequence[ChatMessage], tools: ToolSet) -> frozenset[str]:
+def spent_tools(messages: Sequence[Message], tools: ToolSet) -> frozenset[str]:
     """The tools of ``tools`` called since the last user message (their results are in the prompt; a call to a tool no
     longer bound is left out): the ``once`` decoding of ``tool_choice="auto"`` (``ToolChoice(spent=...)``). Measured on Qwen2.5-Coder-0.5B-Instruct: with the template's
     own rendering of the call and its result, it writes the same call again, free as under the grammar, and an
@@ -170,7 +179,7 @@ def spent_tools(messages: Sequence[ChatMessage], tools: ToolSet) -> frozenset[st
     return frozenset(c.name for m in messages[since:] if m.role == "assistant" for c in m.tool_calls if c.name in tools)
 
 
-def each_tool_once(messages: Sequence[ChatMessage], tools: ToolSet) -> tuple[str, ToolSet]:
+def each_tool_once(messages: Sequence[Message], tools: ToolSet) -> tuple[str, ToolSet]:
     """The ``each_once`` decoding of ``tool_choice="auto"`` for models too small to choose a call on their own
     (measured: under free ``auto`` neither shipped model ever starts a call, 0 of 8 requests each): after the
     last user message, the turn must call one of the tools not called since; once each was called, it answers

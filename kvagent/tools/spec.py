@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from kvagent.errors import ToolSpecError
+from kvagent.tools.grammar import check_schema
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 """OpenAI's pattern for function names."""
@@ -163,8 +164,6 @@ class ToolSet:
             elif same.constraints() != spec.constraints():
                 raise ToolSpecError(f"tool names must be unique: {spec.name} bound more than once, as two different "
                                     "tools; rename one")
-        from kvagent.tools.grammar import check_schema  # llguidance is loaded only where tools are
-
         for spec in specs:
             check_schema(spec.name, dict(spec.parameters))
         self.specs: tuple[ToolSpec, ...] = tuple(specs)

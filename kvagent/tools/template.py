@@ -29,7 +29,7 @@ import json
 import logging
 from typing import Any
 
-from kvagent.chat_format import ChatFormat
+from kvagent.chat_format import ChatFormat, compile_template
 from kvagent.tools.format import ToolFormat
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,6 @@ _CALLS = [{"id": f"call_kva{i}", "type": "function", "function": {"name": f"kvaf
 def tool_format_of(template: str, chat: ChatFormat, name: str = "model") -> ToolFormat | None:
     """The tool format ``template`` renders, or None where it has none kvagent can read (see the module).
     ``chat``: the role wrappers read off the same template (:meth:`ChatFormat.from_template`)."""
-    from kvagent.chat_format import compile_template
-
     try:
         compiled = compile_template(template)
     except Exception as exc:  # jinja syntax errors: ChatFormat reports them

@@ -28,6 +28,7 @@ from typing import Iterable
 import numpy as np
 
 from kvagent.errors import UnsupportedModelError
+from kvagent.models import cache_dir, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +169,6 @@ def dequantize(tensor: object, path: Path) -> np.ndarray:
 
 
 def _cache_dir(path: Path) -> Path:
-    from kvagent.models import cache_dir, fingerprint
-
     return cache_dir() / "reference" / fingerprint(path)[:16]
 
 

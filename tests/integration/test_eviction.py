@@ -20,7 +20,8 @@ import pytest
 
 from kvagent.engine import Engine
 from kvagent.errors import ContextOverflowError, EvictionError
-from kvagent.eviction import _MARGIN, Eviction, compact_positions, position_runs
+from kvagent.eviction import _MARGIN, Eviction
+from kvagent.kv.compact import compact_positions, position_runs
 from kvagent.policies import (
     POLICIES,
     CacheView,

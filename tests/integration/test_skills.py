@@ -260,8 +260,8 @@ def test_keys_rotated_in_the_bytes_equal_llama_cpps_k_shift(engine: Engine, star
 
 
 def _keys(data: bytes, layout) -> list[np.ndarray]:
-    """Each layer's keys from a saved sequence, every cache (``kvagent.kv.state.read_blocks``), as float32."""
-    from kvagent.kv.state import read_blocks
+    """Each layer's keys from a saved sequence, every cache (``kvagent.backends.state.read_blocks``), as float32."""
+    from kvagent.backends.state import read_blocks
 
     blocks, _ = read_blocks(data)
     return [b.keys(data, i).astype(np.float32) for b in blocks for i in range(len(b.layers))]

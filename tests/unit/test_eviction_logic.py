@@ -10,7 +10,8 @@ import pytest
 
 from kvagent.errors import EvictionError
 from kvagent.backends.base import Capabilities
-from kvagent.eviction import _MARGIN, Eviction, Evictor, position_runs
+from kvagent.eviction import _MARGIN, Eviction, Evictor
+from kvagent.kv.compact import position_runs
 from kvagent.policies import POLICIES, CacheView, EvictionPolicy, KeepSinks, get_policy, select_keep
 from kvagent.policies.simple import Recency
 

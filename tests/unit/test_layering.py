@@ -1,7 +1,8 @@
 """Layering: product code never imports the benchmarks (the ``kvagent_bench`` distribution); only the llama.cpp
 backend imports ``llama_cpp``, and only the backend registry imports that backend; kvagent never imports an
 adapter; the torch oracle's checks stay out of product code; module dependencies run one way, in the core and in
-each adapter.
+each adapter; so do the core's layers (its subpackages and top-level modules), and a core module imports another
+inside a function only to load a costly or optional dependency late.
 
 Every module under ``kvagent/`` and ``adapters/*/<package>/`` is parsed (not imported) and each of its imports,
 at the top or inside a function, is resolved to absolute module names. No module of the core or of a product
@@ -12,6 +13,7 @@ points.
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,21 +48,62 @@ def module_name(path: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(source: str, path: str) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``source``; ``from a import b`` yields ``a`` and
-    ``a.b`` (``b`` may be a submodule), relative imports are resolved against ``path``'s package."""
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target: ``from a import b`` is ``module`` ``a``, ``name`` ``b`` (``b`` may be a
+    submodule); ``import a.b`` is ``module`` ``a.b``. ``local``: it runs inside a function; ``typing_only``: it sits
+    under ``if TYPE_CHECKING:``, so it never runs."""
+
+    line: int
+    module: str
+    name: str | None
+    local: bool
+    typing_only: bool
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(source: str, path: str) -> list[Import]:
+    """Every import in ``source``, at the top or inside a function; relative imports are resolved against
+    ``path``'s package."""
     package = module_name(path).split(".")
     if not path.endswith("__init__.py"):
         package = package[:-1]
-    names: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source, filename=path)):
+    found: list[Import] = []
+
+    def visit(node: ast.AST, local: bool, typing_only: bool) -> None:
         if isinstance(node, ast.Import):
-            names += [(node.lineno, alias.name) for alias in node.names]
+            found.extend(Import(node.lineno, alias.name, None, local, typing_only) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
-            names.append((node.lineno, module))
-            names += [(node.lineno, f"{module}.{alias.name}") for alias in node.names if alias.name != "*"]
+            found.extend(Import(node.lineno, module, None if alias.name == "*" else alias.name, local, typing_only)
+                         for alias in node.names)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, local, True)
+            for child in node.orelse:
+                visit(child, local, typing_only)
+            return
+        inner = local or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner, typing_only)
+
+    visit(ast.parse(source, filename=path), False, False)
+    return found
+
+
+def imported(source: str, path: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``source``; ``from a import b`` yields ``a`` and
+    ``a.b`` (``b`` may be a submodule)."""
+    names: list[tuple[int, str]] = []
+    for i in imports(source, path):
+        names.append((i.line, i.module))
+        if i.name is not None:
+            names.append((i.line, f"{i.module}.{i.name}"))
     return names
 
 
@@ -163,27 +206,38 @@ def test_only_the_llama_cpp_backend_imports_llama_cpp() -> None:
     assert not found, "only kvagent/backends/llama_cpp.py may import llama_cpp:\n" + "\n".join(found)
 
 
+def _target(i: Import, modules: dict[str, str]) -> str:
+    """The module of ``modules`` an import names: ``from a import b`` counts as ``a.b`` when that is a module, else
+    as ``a``; a name outside ``modules`` counts as the nearest package of ``modules`` above it ('' when none)."""
+    target = f"{i.module}.{i.name}" if i.name is not None and f"{i.module}.{i.name}" in modules else i.module
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target
+
+
+Where = tuple[str, int, bool]
+"""An import's path, line and whether it runs inside a function."""
+
+
+def import_edges(paths: list[str] = MODULES, *, type_checking: bool = True) -> dict[tuple[str, str], list[Where]]:
+    """(importer, imported) -> where, for every import of one module of ``paths`` by another, at the top or inside a
+    function; ``type_checking=False`` leaves out the imports under ``if TYPE_CHECKING:``, which never run."""
+    modules = {module_name(path): path for path in paths}
+    edges: dict[tuple[str, str], list[Where]] = {}
+    for name, path in modules.items():
+        for i in imports((ROOT / path).read_text(encoding="utf-8"), path):
+            target = _target(i, modules)
+            if target and target != name and (type_checking or not i.typing_only):
+                edges.setdefault((name, target), []).append((path, i.line, i.local))
+    return edges
+
+
 def dependency_graph(paths: list[str] = MODULES) -> dict[str, set[str]]:
     """module -> the modules of ``paths`` it imports (top-level or function-local; ``TYPE_CHECKING`` imports
-    too: a loop closed by one is still a loop). ``from a import b`` counts as ``a.b`` when that is a module,
-    else as ``a``."""
-    modules = {module_name(path): path for path in paths}
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse((ROOT / path).read_text(), filename=path)):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                           for a in node.names]
-            for target in targets:
-                while target and target not in modules:
-                    target = target.rpartition(".")[0]
-                if target and target != name:
-                    deps.add(target)
-        graph[name] = deps
+    too: a loop closed by one is still a loop)."""
+    graph: dict[str, set[str]] = {module_name(path): set() for path in paths}
+    for importer, target in import_edges(paths):
+        graph[importer].add(target)
     return graph
 
 
@@ -239,3 +293,103 @@ def test_no_two_way_dependency_between_modules() -> None:
 @pytest.mark.parametrize("package", ADAPTER_PACKAGES)
 def test_no_two_way_dependency_inside_an_adapter(package: str) -> None:
     assert cycles(dependency_graph(ADAPTERS[package])) == []
+
+
+# -- layers of the core: its subpackages and top-level modules ---------------------------------------------------
+def layer(module: str) -> str:
+    """The unit of layering a core module belongs to: its subpackage (``kvagent.kv.pool`` -> ``kvagent.kv``) or, at
+    the top, the module itself (``kvagent.engine``); the package's ``__init__`` is ``kvagent``."""
+    return ".".join(module.split(".")[:2])
+
+
+def layer_edges() -> dict[tuple[str, str], list[Where]]:
+    """(layer, layer) -> where, from every import of the core that runs: at the top of a module or inside a function
+    alike (an import moved into a function to break a loop still closes it), ``TYPE_CHECKING`` imports left out."""
+    edges: dict[tuple[str, str], list[Where]] = {}
+    for (importer, target), where in import_edges(MODULES, type_checking=False).items():
+        if layer(importer) != layer(target):
+            edges.setdefault((layer(importer), layer(target)), []).extend(where)
+    return edges
+
+
+def layer_cycles() -> list[str]:
+    """Each cycle between layers and the imports that close it (none: the layers depend one way)."""
+    edges = layer_edges()
+    graph: dict[str, set[str]] = {layer(module_name(path)): set() for path in MODULES}
+    for importer, target in edges:
+        graph[importer].add(target)
+    report: list[str] = []
+    for component in cycles(graph):
+        report.append(" <-> ".join(component) + ":")
+        for (importer, target), where in sorted(edges.items()):
+            if importer in component and target in component:
+                shown = [f"{path}:{line}" + (" (in a function)" if local else "")
+                         for path, line, local in sorted(set(where))]
+                more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+                report.append(f"  {importer} -> {target}: {', '.join(shown[:3])}{more}")
+    return report
+
+
+# the core modules another core module may import inside a function, each for what loading it late saves; any other
+# import goes at the top of its module, where a reader (and test_no_cycle_between_layers) sees the dependency
+LAZY = {
+    "kvagent.backends.llama_cpp": "imports llama_cpp, the native bindings: the registry loads a backend once named",
+    "kvagent.backends.fake": "the pure-Python test backend: the registry loads a backend once named",
+    "kvagent.transformer.model": "imports torch, the optional extra kvagent[torch] (a second to load): the torch "
+                                 "eviction policies and `kvagent reference check` load it when they run",
+}
+
+
+def function_imports() -> list[tuple[str, str]]:
+    """(``path:line``, imported core module) of each import of a core module that runs inside a function."""
+    modules = {module_name(path): path for path in MODULES}
+    return sorted({(f"{path}:{i.line}", target) for path in MODULES
+                   for i in imports((ROOT / path).read_text(encoding="utf-8"), path)
+                   if i.local and not i.typing_only and (target := _target(i, modules))})
+
+
+IMPORT_CASES = [
+    ("import kvagent.kv", "kvagent/x.py", [("kvagent.kv", None, False, False)]),
+    ("from kvagent.kv import pool", "kvagent/x.py", [("kvagent.kv", "pool", False, False)]),
+    ("def f():\n    from kvagent.engine import Engine\n", "kvagent/x.py", [("kvagent.engine", "Engine", True, False)]),
+    ("if TYPE_CHECKING:\n    from kvagent.engine import Engine\nelse:\n    import json\n", "kvagent/x.py",
+     [("kvagent.engine", "Engine", False, True), ("json", None, False, False)]),
+    ("if typing.TYPE_CHECKING:\n    import kvagent.session\n", "kvagent/x.py",
+     [("kvagent.session", None, False, True)]),
+    ("class C:\n    def m(self):\n        if TYPE_CHECKING:\n            import kvagent.x\n", "kvagent/x.py",
+     [("kvagent.x", None, True, True)]),
+    ("from . import format as fmt", "kvagent/tools/choice.py",
+     [("kvagent.tools", "format", False, False)]),
+]
+
+
+@pytest.mark.parametrize(("source", "path", "expected"), IMPORT_CASES)
+def test_import_reader(source: str, path: str, expected: list[tuple[str, str | None, bool, bool]]) -> None:
+    assert [(i.module, i.name, i.local, i.typing_only) for i in imports(source, path)] == expected
+
+
+def test_layers() -> None:
+    assert [layer(m) for m in ("kvagent", "kvagent.engine", "kvagent.kv", "kvagent.kv.pool")] == \
+        ["kvagent", "kvagent.engine", "kvagent.kv", "kvagent.kv"]
+    found = {layer(module_name(path)) for path in MODULES}
+    assert {"kvagent", "kvagent.engine", "kvagent.session", "kvagent.kv", "kvagent.backends", "kvagent.edits"} <= found
+    # an import inside a function is an edge like any other
+    assert any(local for where in layer_edges().values() for _, _, local in where)
+
+
+def test_no_cycle_between_layers() -> None:
+    """The subpackages and top-level modules of the core depend one way: a lower one that needs something of a higher
+    one gets it passed in (an argument, a protocol), or the shared piece moves down."""
+    found = layer_cycles()
+    assert not found, "import cycles between the core's subpackages and top-level modules:\n" + "\n".join(found)
+
+
+def test_function_level_imports_only_load_late() -> None:
+    """A core module imports another inside a function only to load a costly or optional dependency late (``LAZY``)."""
+    found = [f"{where}: {target}" for where, target in function_imports() if target not in LAZY]
+    assert not found, ("import these at the top of the module (or add the module to LAZY, with what loading it late "
+                       "saves):\n" + "\n".join(found))
+
+
+def test_every_late_import_is_still_made() -> None:
+    assert set(LAZY) <= {target for _, target in function_imports()}

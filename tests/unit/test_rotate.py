@@ -7,7 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from kvagent.kv.rotate import MoveCollision, RopeLayout, shift_saved
+from kvagent.backends.base import RopeLayout
+from kvagent.kv.rotate import MoveCollision, shift_saved
 
 HEAD_DIM, HEADS = 8, 2
 

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from kvagent.eviction import Eviction, Evictor, compact_positions
+from kvagent.eviction import Eviction, Evictor
+from kvagent.kv.compact import compact_positions
 from kvagent.policies import POLICIES, EvictionPolicy, get_policy
 from kvagent_bench.evict_heldout import MAX_NEW, HeldoutCase, question_segment, reply_segment, score_reply
 from kvagent_bench.evict_stream import Stream, prefix_length

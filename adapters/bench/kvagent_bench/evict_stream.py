@@ -93,7 +93,7 @@ class Stream:
             del self.tokens[p]
             del self.cell[p]
         if self.evictor.config.compact and report.evicted and self.backend.capabilities.shift:
-            from kvagent.eviction import compact_positions
+            from kvagent.kv.compact import compact_positions
 
             if not self._owned:  # a shift would move the cells for every sequence sharing them
                 self.backend.seq_restore(self.seq, self.backend.seq_save(self.seq))
