@@ -67,7 +67,7 @@ else
 $(error GPU=$(GPU): only GPU=cuda is supported)
 endif
 
-.PHONY: demo test test-full test-all test-engines setup clean cuda-wheel llama-server vllm
+.PHONY: demo test test-full test-all test-copies test-engines setup clean cuda-wheel llama-server vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -156,17 +156,21 @@ demo: setup
 	$(BIN)/kvagent demo
 
 # Tiers (tests/tiers.py says which case is where): `make test` the fast one, `make test-all` the fast one and then the
-# rest (`make test-full`), each tier's time and slowest cases printed against its budget; no case runs twice.
-# `make test-engines`: the cases that start llama.cpp's llama-server or vLLM, built first (llama-server ~10 min,
-# vLLM's venv ~5 min, once); CI never runs them.
+# rest (`make test-full`), each tier's time and slowest cases printed against its budget; no case runs twice. CI runs
+# those two. `make test-copies`: the model-independent checks' copies on Gemma-3 (each runs in CI on SmolLM2).
+# `make test-engines`: the cases that start llama.cpp's llama-server or vLLM, built first (llama-server ~10 min, vLLM's
+# venv ~5 min, once).
 test: setup
 	$(BIN)/python -m pytest
 
 test-full: setup
-	$(BIN)/python -m pytest -m 'full and not engines'
+	$(BIN)/python -m pytest -m 'full and not copies and not engines'
 
 test-all: setup
 	bash scripts/test_tiers.sh $(BIN)/python
+
+test-copies: setup
+	$(BIN)/python -m pytest -m 'copies and not engines'
 
 test-engines: setup llama-server vllm
 	$(BIN)/python -m pytest -m engines

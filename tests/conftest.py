@@ -1,21 +1,10 @@
-"""Shared fixtures, and the test tiers (the rule is in tests/tiers.py).
+"""Shared fixtures, and the test tiers (the rule and each tier's ``-m`` expression: tests/tiers.py).
 
-``make test`` runs the fast tier: ``pytest`` (its default ``-m 'not full and not engines'``). ``make test-all`` runs
-it and then the rest: ``pytest -m 'full and not engines'``; no case runs in both. ``make test-engines`` runs the cases
-that start llama.cpp's ``llama-server`` or vLLM (``pytest -m engines``), which CI never runs. A case belongs to the
-full tier when it is marked
-
-- ``slow``: long-running;
-- ``e2e``: a whole process or a long run of one (the server soak, fuzz at length, the desktop app, the
-  examples, the demo, a ten-turn graph);
-- ``bench``: a benchmark's smoke test (the benchmarks are their own distribution, ``adapters/bench``);
-- ``full``: named for the full tier directly;
-
-or when it runs on a model after the first of :data:`tests.models.MODELS` (a parameter of the case, the
-``engine`` fixture's included) and is not marked ``arch``. ``arch`` marks the checks whose outcome depends on
-the model's architecture (Gemma-3's sliding window, edits behind it, the torch oracle, ``auto``'s cell-by-cell
-check, compaction): those run on every model in the fast tier. Everything else runs once, on the first model,
-in the fast tier, and its other models' copies in the full tier.
+``make test`` runs the fast tier: ``pytest``. ``make test-all`` runs it and then the full tier (``make test-full``);
+no case runs in both, and the two are what CI runs. ``make test-copies`` runs the copies of model-independent checks
+on the test models after the first (Gemma-3's), ``make test-engines`` the cases that start llama.cpp's
+``llama-server`` or vLLM; CI runs neither. Before ``-m`` deselects, each case gets the marker of its tier where that
+tier is ``full`` or ``copies``.
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.models import MODELS
-from tests.tiers import in_full_tier
+from tests.tiers import tier_of
 
 # A GPU machine without the model packages (scripts/gpu_check.sh): registry names stand for local files,
 # e.g. KVAGENT_TEST_MODEL_FILES=smollm2-135m=/path/smollm2-4l.gguf (a layer-truncated copy, `kvagent gpu truncate`).
@@ -48,10 +37,11 @@ if os.environ.get("KVAGENT_TEST_MODEL_FILES"):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # tryfirst: the ``full`` marker must be on each case before ``-m`` deselects by it
+    # tryfirst: the tier's marker must be on each case before ``-m`` deselects by it
     for item in items:
-        if in_full_tier(item) and item.get_closest_marker("full") is None:
-            item.add_marker(pytest.mark.full)
+        name = tier_of(item)
+        if name in ("full", "copies") and item.get_closest_marker(name) is None:
+            item.add_marker(getattr(pytest.mark, name))
 
 
 @pytest.fixture(scope="session", params=MODELS)

@@ -1,15 +1,19 @@
-"""Which tier a collected case runs in (tests/conftest.py applies it). Three tiers:
+"""Which tier a collected case runs in (tests/conftest.py applies it). Four tiers, each a ``pytest -m`` expression
+(:data:`SELECT`):
 
-- ``fast``: ``pytest`` (pyproject.toml's ``-m 'not full and not engines'``), ``make test``;
-- ``full``: the rest of what CI runs, ``pytest -m 'full and not engines'`` (``make test-full``);
+- ``fast``: ``pytest`` (pyproject.toml's default), ``make test``;
+- ``full``: the rest of what CI runs, ``make test-full`` (``make test-all`` runs both);
+- ``copies``: a model-independent check's copies on the test models after the first (Gemma-3's), ``make
+  test-copies``: the check runs in CI once, on the first model; the copies where a developer asks for them;
 - ``engines``: the cases that start a third-party engine built by a make target of its own (llama.cpp's
-  ``llama-server``, vLLM's CPU build), ``pytest -m engines`` (``make test-engines``). CI never runs them, even where
-  the engines are built: their binaries are left on a machine by hand, not declared by the project's set-up.
+  ``llama-server``, vLLM's CPU build), ``make test-engines``. CI never runs them, even where the engines are built:
+  their binaries are left on a machine by hand, not declared by the project's set-up.
 
-A case belongs to the engines tier when it is marked ``engines``. Otherwise it belongs to the full tier when it is
-marked ``slow``, ``e2e``, ``bench`` or ``full`` (see pyproject.toml's markers), or when it runs on a model after the
-first of :data:`tests.models.MODELS` and is not marked ``arch``: a check whose outcome does not depend on the
-architecture runs once, on the first model, in the fast tier."""
+The rule, first match: a case marked ``engines`` is in the engines tier. A case that runs on a test model after the
+first of :data:`tests.models.MODELS` (a parameter of the case) and is not marked ``arch`` (its outcome does not
+depend on the architecture) is a copy. A case marked ``slow``, ``e2e``, ``bench`` or ``full`` (see pyproject.toml's
+markers), or run on another registry model (Qwen2.5's tool-trained checks) and not marked ``arch``, is in the full
+tier. Everything else is fast: every check once on the first model, and the architecture's checks on every model."""
 
 from __future__ import annotations
 
@@ -20,13 +24,20 @@ import pytest
 from kvagent.models import REGISTRY
 from tests.models import FIRST, MODELS
 
-Tier = Literal["fast", "full", "engines"]
+Tier = Literal["fast", "full", "copies", "engines"]
 
 FULL_TIER_MARKERS = frozenset({"slow", "e2e", "bench", "full"})
 ENGINES_MARKER = "engines"
-SELECT: dict[Tier, str] = {"fast": "not full and not engines", "full": "full and not engines", "engines": "engines"}
-"""Each tier's ``pytest -m`` expression (the fast one is pyproject.toml's default, scripts/test_tiers.sh passes the
-full one, the Makefile's ``test-engines`` the last)."""
+COPIES_MARKER = "copies"
+SELECT: dict[Tier, str] = {"fast": "not full and not copies and not engines",
+                           "full": "full and not copies and not engines",
+                           "copies": "copies and not engines",
+                           "engines": "engines"}
+"""Each tier's ``pytest -m`` expression: the fast one is pyproject.toml's default, scripts/test_tiers.sh passes the
+full one, the Makefile's ``test-copies`` and ``test-engines`` the others. ``full`` and ``copies`` are markers
+tests/conftest.py adds by the rule (a case may also carry ``full`` itself)."""
+COPY_MODELS = frozenset(MODELS[1:])
+"""The test models after the first: a model-independent check's runs on them are its copies."""
 KNOWN_MODELS = frozenset(REGISTRY) | frozenset(MODELS)
 """Names a case's parameter is read as a model by: the registry's and the test models (cases list models by name
 even where ``$KVAGENT_TEST_MODELS`` narrows the test models)."""
@@ -34,10 +45,12 @@ even where ``$KVAGENT_TEST_MODELS`` narrows the test models)."""
 
 def tier(marks: Iterable[str], models: Iterable[str]) -> Tier:
     """The tier of a case with these markers, run on these models (the module's rule)."""
-    names = set(marks)
+    names, models = set(marks), set(models)
     if ENGINES_MARKER in names:
         return "engines"
-    if names & FULL_TIER_MARKERS or (set(models) - {FIRST} and "arch" not in names):
+    if "arch" not in names and models & COPY_MODELS:
+        return "copies"
+    if names & FULL_TIER_MARKERS or (models - {FIRST} and "arch" not in names):
         return "full"
     return "fast"
 
@@ -67,5 +80,5 @@ def tier_of(item: pytest.Item) -> Tier:
 
 
 def in_full_tier(item: pytest.Item) -> bool:
-    """Whether the collected case ``item`` runs in the full tier only."""
+    """Whether the collected case ``item`` runs in the full tier."""
     return tier_of(item) == "full"

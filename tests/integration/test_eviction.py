@@ -38,7 +38,7 @@ from kvagent.segments import Segment
 from kvagent.session import Generation, Session
 from kvagent.skills.fidelity import cosine
 from tests.models import MODELS
-from tests.tiers import full_tier
+from tests.tiers import tier
 
 N_CTX = 1024
 BUDGET, CHUNK = 256, 64
@@ -379,7 +379,7 @@ def run(engines: dict[str, Engine], case: Case) -> Run:
 
 def in_fast_tier(param: object) -> bool:
     """Whether a case of CASES runs in the fast tier (tests/tiers.py)."""
-    return not full_tier((mark.name for mark in param.marks), {param.values[0].model})  # type: ignore[attr-defined]
+    return tier((mark.name for mark in param.marks), {param.values[0].model}) == "fast"  # type: ignore[attr-defined]
 
 
 def test_the_cases_cover_the_policies_and_the_fast_tier_replays_each_model() -> None:

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from tests.models import MODELS
-from tests.tiers import SELECT, full_tier, in_full_tier, models_of, tier
+from tests.tiers import SELECT, in_full_tier, models_of, tier_of
 
 ROOT = Path(__file__).resolve().parents[2]
-FIRST, SECOND = MODELS[0], "gemma3-270m"
+FIRST, SECOND, OTHER = MODELS[0], "gemma3-270m", "qwen2.5-coder-0.5b"
 
 
 @dataclass
@@ -43,47 +43,35 @@ class Item:
         return [getattr(pytest.mark, name).mark for name in self.marks]
 
 
-# (case, in the full tier?)
+# (case, its tier)
 CASES = [
-    (Item(), False),
-    (Item(params={"engine": FIRST}), False),
-    (Item(params={"engine": SECOND}), True),
-    (Item(("arch",), {"engine": SECOND}), False),
-    (Item(params={"case": CaseRecord(SECOND), "n": 3}), True),
-    (Item(("arch",), {"case": CaseRecord(SECOND)}), False),
-    (Item(params={"case": CaseRecord(FIRST)}), False),
-    (Item(params={"model": SECOND, "policy": "window"}), True),
-    (Item(params={"value": "gemma3"}), False),  # not a model name
-    (Item(("slow",), {"engine": FIRST}), True),
-    (Item(("e2e",)), True),
-    (Item(("bench",)), True),
-    (Item(("full",), {"engine": FIRST}), True),
-    (Item(("arch", "slow"), {"engine": SECOND}), True),
-    (Item(("engines",)), False),
-    (Item(("engines", "bench", "e2e"), {"engine": SECOND}), False),
+    (Item(), "fast"),
+    (Item(params={"engine": FIRST}), "fast"),
+    (Item(params={"engine": SECOND}), "copies"),
+    (Item(("arch",), {"engine": SECOND}), "fast"),
+    (Item(params={"case": CaseRecord(SECOND), "n": 3}), "copies"),
+    (Item(("arch",), {"case": CaseRecord(SECOND)}), "fast"),
+    (Item(params={"case": CaseRecord(FIRST)}), "fast"),
+    (Item(params={"model": SECOND, "policy": "window"}), "copies"),
+    (Item(("slow",), {"model": SECOND}), "copies"),  # a copy, however long
+    (Item(params={"model": OTHER}), "full"),  # a registry model outside the test models: its own checks
+    (Item(("arch",), {"model": OTHER}), "fast"),
+    (Item(params={"value": "gemma3"}), "fast"),  # not a model name
+    (Item(("slow",), {"engine": FIRST}), "full"),
+    (Item(("e2e",)), "full"),
+    (Item(("bench",)), "full"),
+    (Item(("full",), {"engine": FIRST}), "full"),
+    (Item(("arch", "slow"), {"engine": SECOND}), "full"),
+    (Item(("engines",)), "engines"),
+    (Item(("engines", "bench", "e2e"), {"engine": SECOND}), "engines"),
 ]
 
 
 @pytest.mark.skipif(SECOND not in MODELS, reason="$KVAGENT_TEST_MODELS leaves Gemma-3 out")
-@pytest.mark.parametrize(("item", "full"), CASES)
-def test_the_tier_rule(item: Item, full: bool) -> None:
-    assert in_full_tier(item) is full  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(("marks", "models", "full"), [
-    ((), (), False), ((), (FIRST,), False), ((), (SECOND,), True), (("arch",), (SECOND,), False),
-    ((), (FIRST, SECOND), True), (("bench", "arch"), (FIRST,), True),
-])
-def test_the_rule_on_marks_and_models(marks: tuple[str, ...], models: tuple[str, ...], full: bool) -> None:
-    assert full_tier(marks, models) is full
-
-
-@pytest.mark.parametrize(("marks", "models", "expected"), [
-    ((), (FIRST,), "fast"), (("arch",), (SECOND,), "fast"), (("bench",), (), "full"), ((), (SECOND,), "full"),
-    (("engines",), (), "engines"), (("engines", "e2e"), (FIRST,), "engines"), (("engines", "full"), (), "engines"),
-])
-def test_each_case_has_one_tier(marks: tuple[str, ...], models: tuple[str, ...], expected: str) -> None:
-    assert tier(marks, models) == expected
+@pytest.mark.parametrize(("item", "expected"), CASES)
+def test_the_tier_rule(item: Item, expected: str) -> None:
+    assert tier_of(item) == expected  # type: ignore[arg-type]
+    assert in_full_tier(item) is (expected == "full")  # type: ignore[arg-type]
 
 
 def test_models_are_read_from_values_and_case_records() -> None:
@@ -92,38 +80,43 @@ def test_models_are_read_from_values_and_case_records() -> None:
     assert models_of(Item()) == set()  # type: ignore[arg-type]
 
 
-ENGINE_CASES = ("tests/adapters/server/test_server_remote.py", "tests/adapters/server/test_proxy_engines.py")
+# a few modules whose cases fall in every tier: the same check on both models, an arch check, llama-server's and
+# vLLM's cases
+PATHS = ("tests/integration/test_session.py", "tests/integration/test_auto_edit.py",
+         "tests/adapters/server/test_server_remote.py", "tests/adapters/server/test_proxy_engines.py")
 
 
-def collected(*args: str, paths: tuple[str, ...] = ("tests/integration/test_session.py",
-                                                      "tests/integration/test_auto_edit.py")) -> set[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args,
-                          *paths], cwd=ROOT, capture_output=True, text=True)
+def collected(expression: str) -> set[str]:
+    """The ids ``pytest -m expression`` collects from :data:`PATHS` (``""``: every case)."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                          expression, *PATHS], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode in (0, 5), out.stdout + out.stderr  # 5: no case selected
     return {line for line in out.stdout.splitlines() if "::" in line}
 
 
 @pytest.mark.skipif(SECOND not in MODELS, reason="$KVAGENT_TEST_MODELS leaves Gemma-3 out")
-def test_the_two_tiers_split_the_cases_and_share_none() -> None:
-    fast, full, everything = collected(), collected("-m", SELECT["full"]), collected("-m", "full or not full")
-    assert fast and full and not fast & full and fast | full == everything
-    # a model-independent check: its second model's copy in the full tier; auto's cell-by-cell check (arch): both
-    # models fast
-    assert "tests/integration/test_session.py::test_save_restore_round_trip[smollm2-135m]" in fast
-    assert "tests/integration/test_session.py::test_save_restore_round_trip[gemma3-270m]" in full
-    assert any("test_auto_edit.py" in n and "gemma3-270m" in n for n in fast)
-
-
-def test_the_engine_cases_run_in_their_own_tier_only() -> None:
-    """llama-server's and vLLM's cases: in ``make test-engines``, in neither tier CI runs, built or not."""
+def test_the_tiers_split_the_cases_and_ci_runs_neither_copies_nor_engines() -> None:
     pytest.importorskip("kvagent_server")
-    tiers = {name: collected("-m", SELECT[name], paths=ENGINE_CASES) for name in ("fast", "full", "engines")}
-    everything = collected("-m", "full or not full or engines", paths=ENGINE_CASES)
-    assert tiers["engines"] and not tiers["engines"] & (tiers["fast"] | tiers["full"])
-    assert tiers["fast"] | tiers["full"] | tiers["engines"] == everything
+    tiers = {name: collected(SELECT[name]) for name in ("fast", "full", "copies", "engines")}
+    assert all(tiers.values()), {name: len(ids) for name, ids in tiers.items()}
+    assert sum(map(len, tiers.values())) == len(set().union(*tiers.values())) == len(collected(""))
+    ci = tiers["fast"] | tiers["full"]
+    # a model-independent check: on the first model fast, its copy on the second in the copies tier; auto's
+    # cell-by-cell check (arch): both models fast
+    assert "tests/integration/test_session.py::test_save_restore_round_trip[smollm2-135m]" in tiers["fast"]
+    assert "tests/integration/test_session.py::test_save_restore_round_trip[gemma3-270m]" in tiers["copies"]
+    assert any("test_auto_edit.py" in n and "gemma3-270m" in n for n in tiers["fast"])
+    # llama-server's and vLLM's cases in their own tier, llama-cpp-python's server (installed by make) in CI
     assert any("[llama-server]" in n for n in tiers["engines"]) and any("vllm" in n for n in tiers["engines"])
-    assert any("[llama_cpp.server]" in n for n in tiers["fast"] | tiers["full"])
+    assert any("[llama_cpp.server]" in n for n in ci)
 
+
+@pytest.mark.parametrize(("path", "tier_name"), [
+    ("pyproject.toml", "fast"), ("Makefile", "full"), ("scripts/test_tiers.sh", "full"), ("Makefile", "copies"),
+    ("Makefile", "engines")])
+def test_the_commands_select_the_tiers_by_their_expressions(path: str, tier_name: str) -> None:
+    assert f"-m '{SELECT[tier_name]}'" in (ROOT / path).read_text() or f"-m {SELECT[tier_name]}\n" in (
+        ROOT / path).read_text()
 
 
 def _tier_report() -> Any:
