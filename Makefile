@@ -160,17 +160,22 @@ demo: setup
 # those two. `make test-copies`: the model-independent checks' copies on Gemma-3 (each runs in CI on SmolLM2).
 # `make test-engines`: the cases that start llama.cpp's llama-server or vLLM, built first (llama-server ~10 min, vLLM's
 # venv ~5 min, once).
+# TEST_WORKERS: pytest-xdist workers, one per core by default (a test process alone keeps one core busy: llama.cpp's
+# threads wait on Python between calls); --dist loadscope keeps a module on one worker, so a module's fixtures (an
+# engine, compiled skills, a cold prefill) are computed once. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 test-full: setup
-	$(BIN)/python -m pytest -m 'full and not copies and not engines'
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m 'full and not copies and not engines'
 
 test-all: setup
-	bash scripts/test_tiers.sh $(BIN)/python
+	bash scripts/test_tiers.sh $(BIN)/python $(PYTEST_PARALLEL)
 
 test-copies: setup
-	$(BIN)/python -m pytest -m 'copies and not engines'
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m 'copies and not engines'
 
 test-engines: setup llama-server vllm
 	$(BIN)/python -m pytest -m engines

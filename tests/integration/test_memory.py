@@ -55,6 +55,7 @@ def test_a_refused_memory_edit_changes_nothing(engine: Engine, call: ToolCall, m
         assert s.tokens == tokens and s.segments == segments
 
 
+@pytest.mark.full  # a long run of one block (15 s); the fast tier edits blocks in the module's other checks
 def test_a_block_edited_100_times_stays_within_the_context_and_holds_the_latest_value(engine: Engine) -> None:
     memory = Memory([MemoryBlock("counter", "visits: 0", limit=64)])
     with engine.session([POLICY, *memory.segments(), Segment.user("Hello!")], fields=memory.fields(),

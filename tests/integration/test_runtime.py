@@ -100,6 +100,7 @@ def test_batched_decode_matches_the_sequential_path(model: str, n_sessions: int,
     assert worst >= 0.999, f"batched logits drift from the sequential path: min cosine {worst:.5f}"
 
 
+@pytest.mark.full  # 18 s; the fast tier keeps the server's 32 concurrent sessions that never see each other's secrets
 def test_concurrent_sessions_never_see_each_other(wide: Engine) -> None:
     """16 sessions with distinct secret values, chatting concurrently from threads."""
     rng = random.Random(7)

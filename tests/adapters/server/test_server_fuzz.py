@@ -5,7 +5,7 @@ generation; the model id is pinned to the served one so chat requests get past t
 (``negative``: wrong types, missing fields, values out of range), plus the gate's own cases (no key, wrong key, wrong
 content type). Passing means: no response >= 500, the server answers ``/health`` and a real chat request at the
 end, and (in the long run) its resident memory stays bounded. The default run sends a few hundred requests (about
-a minute); ``-m slow`` sends at least 5,000 and prints the counts by status.
+a minute); the full tier's run sends at least 2,000 after a warm-up of 400 and prints the server's memory.
 """
 
 from __future__ import annotations
@@ -123,14 +123,14 @@ def test_fuzz_a_few_hundred_requests_from_the_openapi_schema(fuzz_server: tuple[
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
-def test_fuzz_5000_requests_with_bounded_memory(fuzz_server: tuple[str, int, Path]) -> None:
+def test_fuzz_2000_requests_with_bounded_memory(fuzz_server: tuple[str, int, Path]) -> None:
     base, pid, log = fuzz_server
     fuzz(base, budget=400, seconds=120)  # warm-up: sessions made up to the quota, caches filled
     before = rss_mib(pid)
-    counts = fuzz(base, budget=5000, seconds=2400)
+    counts = fuzz(base, budget=2000, seconds=1200)
     after = rss_mib(pid)
     print(f"server RSS: {before:.0f} MiB after the warm-up, {after:.0f} MiB after the run")
-    assert sum(n for code, n in counts.items() if code.isdigit()) >= 5000, counts
+    assert sum(n for code, n in counts.items() if code.isdigit()) >= 2000, counts
     assert server_errors(counts) == {} and counts["failures"] == 0, counts
     still_serving(base)
     assert after - before < 256, (before, after)

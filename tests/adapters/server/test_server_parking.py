@@ -35,6 +35,7 @@ async def turn(client: Any, sid: str, history: list[dict[str, str]], question: s
     return body  # type: ignore[no-any-return]
 
 
+@pytest.mark.full  # 18 s; the fast tier parks a session that evicted and brings it back
 def test_parking_under_sequence_and_cell_pressure_loses_nothing(small_engine: Any) -> None:
     """Four sessions of ~500 tokens on 3 sequences and 1,024 cells (room for two of them): every request
     still succeeds, each session keeps its fields, errata and turns, and a restored session reuses its
