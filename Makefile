@@ -160,11 +160,12 @@ demo: setup
 # those two. `make test-copies`: the model-independent checks' copies on Gemma-3 (each runs in CI on SmolLM2).
 # `make test-engines`: the cases that start llama.cpp's llama-server or vLLM, built first (llama-server ~10 min, vLLM's
 # venv ~5 min, once).
-# TEST_WORKERS: pytest-xdist workers, one per core by default (a test process alone keeps one core busy: llama.cpp's
-# threads wait on Python between calls); --dist loadscope keeps a module on one worker, so a module's fixtures (an
-# engine, compiled skills, a cold prefill) are computed once. TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope
+# TEST_WORKERS: pytest-xdist workers, two by default, one per core here: a test process alone keeps about one core
+# busy (llama.cpp's threads wait on Python between calls). Each worker loads its own engines; --dist loadfile keeps a
+# module on one worker, so a module's fixtures (compiled skills, a cold prefill) are computed once.
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 

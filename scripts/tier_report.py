@@ -34,8 +34,12 @@ def report(tier: str, xml: Path, wall: float, exit_code: int, budget: float, top
     """The lines printed for one tier."""
     if not xml.is_file():
         return [f"{tier} tier: {minutes(wall)} of pytest (exit {exit_code}); no JUnit report at {xml}"]
+    try:
+        root = ET.parse(xml).getroot()
+    except ET.ParseError as exc:  # a run killed while writing it
+        return [f"{tier} tier: {minutes(wall)} of pytest (exit {exit_code}); its JUnit report is unreadable ({exc})"]
     cases = [(float(case.get("time", 0.0)), f"{module_of(case.get('classname', ''))}::{case.get('name', '')}")
-             for case in ET.parse(xml).getroot().iter("testcase")]
+             for case in root.iter("testcase")]
     modules: dict[str, list[float]] = defaultdict(list)
     for seconds, name in cases:
         modules[name.split("::")[0]].append(seconds)

@@ -13,6 +13,9 @@ import os
 
 # before torch loads anywhere: idle OpenMP threads must not spin against llama.cpp (kvagent.reference)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# what the CLI prints is read at one width whatever runs the tests: a terminal, CI, or a pytest-xdist worker (whose
+# output is no terminal, so Rich would wrap at 80 columns)
+os.environ.setdefault("COLUMNS", "200")
 
 from typing import Any, Iterator
 

@@ -10,10 +10,10 @@
   their binaries are left on a machine by hand, not declared by the project's set-up.
 
 The rule, first match: a case marked ``engines`` is in the engines tier. A case that runs on a test model after the
-first of :data:`tests.models.MODELS` (a parameter of the case) and is not marked ``arch`` (its outcome does not
-depend on the architecture) is a copy. A case marked ``slow``, ``e2e``, ``bench`` or ``full`` (see pyproject.toml's
-markers), or run on another registry model (Qwen2.5's tool-trained checks) and not marked ``arch``, is in the full
-tier. Everything else is fast: every check once on the first model, and the architecture's checks on every model."""
+first of :data:`tests.models.MODELS` (a parameter of the case), is not marked ``arch`` (its outcome does not depend
+on the architecture) and was not put in the full tier by name (below) is a copy. A case marked ``slow``, ``e2e``,
+``bench`` or ``full`` (see pyproject.toml's markers), or run on another registry model (Qwen2.5's tool-trained
+checks) and not marked ``arch``, is in the full tier. Everything else is fast: every check once on the first model, and the architecture's checks on every model."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def tier(marks: Iterable[str], models: Iterable[str]) -> Tier:
     names, models = set(marks), set(models)
     if ENGINES_MARKER in names:
         return "engines"
-    if "arch" not in names and models & COPY_MODELS:
+    if "arch" not in names and models & COPY_MODELS and not names & FULL_TIER_MARKERS:
         return "copies"
     if names & FULL_TIER_MARKERS or (models - {FIRST} and "arch" not in names):
         return "full"

@@ -216,8 +216,12 @@ def _to_cache(path: Path, args: ModelArgs, arrays: dict[str, np.ndarray]) -> Non
         tmp = root / f"{name}.tmp{os.getpid()}.npy"
         np.save(tmp, array)
         tmp.replace(root / f"{name}.npy")
-    (root / "args.json").write_text(json.dumps(dataclasses.asdict(args)))
-    (root / "tensors.json").write_text(json.dumps(sorted(arrays)))
+    # atomic too: another process (a second test worker) may read the cache while this one writes it
+    listed = (("args.json", json.dumps(dataclasses.asdict(args))), ("tensors.json", json.dumps(sorted(arrays))))
+    for name, text in listed:
+        tmp = root / f"{name}.tmp{os.getpid()}"
+        tmp.write_text(text)
+        tmp.replace(root / name)
 
 
 def load_weights(path: Path, layers: Iterable[int] | None = None, with_embeddings: bool = True) -> Weights:

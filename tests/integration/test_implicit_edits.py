@@ -1,8 +1,8 @@
 """Implicit edits on the real models: a resent prompt that changed inside is edited in place (``Session.resend``,
 ``kv.rebase``), and each kind of edit is checked against a cold prefill of the same final prompt.
 
-On Gemma-3 they run in the full tier (the prompts stay inside its sliding window: nothing here depends on the
-architecture that SmolLM2 does not check). The reference is the shift-invariant logit cosine the skills use (``logit_cosine``), next to the cache's own noise
+On Gemma-3 they are copies (``make test-copies``, not CI): the prompts stay inside its sliding window, so nothing
+here depends on the architecture that SmolLM2 does not check. The reference is the shift-invariant logit cosine the skills use (``logit_cosine``), next to the cache's own noise
 floor: the same prompt reused warm (extended from a cached prefix) against cold. Spliced regions keep the KV after
 them stale, as a field-only edit does; what must hold exactly is checked exactly: the tokens the cache holds, the
 cells it reports reused and computed, and a fallback's logits (a recompute) against the cold prefill.

@@ -53,7 +53,8 @@ CASES = [
     (Item(("arch",), {"case": CaseRecord(SECOND)}), "fast"),
     (Item(params={"case": CaseRecord(FIRST)}), "fast"),
     (Item(params={"model": SECOND, "policy": "window"}), "copies"),
-    (Item(("slow",), {"model": SECOND}), "copies"),  # a copy, however long
+    (Item(("slow",), {"model": SECOND}), "full"),  # put in the full tier by name: a second model's own case
+    (Item(("full",), {"case": CaseRecord(SECOND)}), "full"),
     (Item(params={"model": OTHER}), "full"),  # a registry model outside the test models: its own checks
     (Item(("arch",), {"model": OTHER}), "fast"),
     (Item(params={"value": "gemma3"}), "fast"),  # not a model name
@@ -149,6 +150,8 @@ def test_the_tier_report_ranks_cases_and_modules_and_warns_past_the_budget(tmp_p
     assert any(line.startswith("WARNING: the fast tier took") for line in lines) is warned
 
 
-def test_a_missing_report_is_named(tmp_path: Path) -> None:
+def test_a_missing_or_cut_report_is_named(tmp_path: Path) -> None:
     lines = _tier_report().report("full", tmp_path / "none.xml", 5, 2, 1500)
     assert lines == [f"full tier: 0 min 5 s of pytest (exit 2); no JUnit report at {tmp_path / 'none.xml'}"]
+    (tmp_path / "cut.xml").write_text(JUNIT[:100])
+    assert "its JUnit report is unreadable" in _tier_report().report("full", tmp_path / "cut.xml", 5, 2, 1500)[0]

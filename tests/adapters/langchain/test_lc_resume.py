@@ -41,7 +41,7 @@ from langchain_kvagent import ChatKVAgent, KVCacheMiddleware, KVCheckpointer
 
 from lc_helpers import POLICY
 
-MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]  # the tier rule puts all but the first in the full tier
+MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]  # tests/tiers.py: SmolLM2 fast, Qwen2.5 full, Gemma-3 a copy
 SECRET = "a resume test's secret, 32 bytes or more"
 THREAD = "resume"
 QUESTIONS = ["Where is my order A-1042?", "Can I still cancel it?"]  # process A; the first calls a tool
@@ -158,6 +158,7 @@ def fixed_call_ids(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(module, "uuid", fixed)
 
 
+@pytest.mark.timeout(B_TIMEOUT_S + 600)  # process A's turns, then all of process B
 @pytest.mark.parametrize("name", MODELS)
 def test_a_thread_resumed_by_a_new_process_restores_its_kv(name: str, tmp_path: Path, fixed_call_ids: None) -> None:
     """The resumed turn succeeds, is restored from the snapshot and computes at most the new message as rendered plus
