@@ -252,12 +252,10 @@ class ToolSets:
     def put(self, key: str, built: tuple[ToolSet, tuple[Segment, ...]]) -> tuple[ToolSet, tuple[Segment, ...]]:
         with self._lock:
             # limit 0 keeps nothing (cachetools refuses any store into it); a set a concurrent miss put first keeps
-            # its place (only a lookup is a use), and both callers get it, so their segments are the same
-            if not self.limit:
-                return built
-            if key not in self._done:
+            # its place (only a lookup is a use)
+            if self.limit and key not in self._done:
                 self._done[key] = built
-            return self._done[key]
+        return built
 
     def build(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ToolSet, tuple[Segment, ...]]:
         toolset = ToolSet([dict(t) for t in tools])
