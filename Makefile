@@ -166,17 +166,20 @@ demo: setup
 # TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+# each tier's -m expression (tests/tiers.py's SELECT; the fast one is pyproject.toml's default)
+FULL_TIER := full and not copies and not engines
+COPIES_TIER := copies and not engines
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 test-full: setup
-	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m 'full and not copies and not engines'
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m '$(FULL_TIER)'
 
 test-all: setup
-	bash scripts/test_tiers.sh $(BIN)/python $(PYTEST_PARALLEL)
+	bash scripts/test_tiers.sh $(BIN)/python '$(FULL_TIER)' $(PYTEST_PARALLEL)
 
 test-copies: setup
-	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m 'copies and not engines'
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m '$(COPIES_TIER)'
 
 test-engines: setup llama-server vllm
 	$(BIN)/python -m pytest -m engines

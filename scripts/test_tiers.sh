@@ -4,10 +4,12 @@
 # JUnit XML). Past a budget it warns; it does not fail (these machines are shared and noisy). Both tiers run even
 # when the first fails; the exit status is the first failure's. Budgets in seconds: $KVAGENT_FAST_BUDGET_S (720,
 # 12 min of pytest) and $KVAGENT_FULL_BUDGET_S (1500, 25 min); docs/tests.md lists them and the last measured times.
-# Arguments after the Python are passed to each tier's pytest (the Makefile passes its pytest-xdist workers).
+# Arguments: the Python, the full tier's -m expression (the Makefile's FULL_TIER), then what each tier's pytest gets
+# besides (the Makefile passes its pytest-xdist workers).
 set -uo pipefail
 python=${1:-python}
-shift || true
+full=${2:?the full tier's -m expression (see the Makefile's FULL_TIER)}
+shift 2
 here=$(dirname "$0")
 # $KVAGENT_TIER_REPORTS: a folder to keep the tiers' JUnit XML in (fast.xml, full.xml); a temporary one otherwise
 if [ -n "${KVAGENT_TIER_REPORTS:-}" ]; then
@@ -21,7 +23,7 @@ status=0
 summary=()
 for tier in fast full; do
     args=()
-    [ "$tier" = full ] && args=(-m 'full and not copies and not engines')  # tests/tiers.py's SELECT
+    [ "$tier" = full ] && args=(-m "$full")
     start=$(date +%s)
     "$python" -m pytest "$@" ${args[@]+"${args[@]}"} --junitxml="$reports/$tier.xml"
     rc=$?

@@ -33,8 +33,8 @@ SELECT: dict[Tier, str] = {"fast": "not full and not copies and not engines",
                            "full": "full and not copies and not engines",
                            "copies": "copies and not engines",
                            "engines": "engines"}
-"""Each tier's ``pytest -m`` expression: the fast one is pyproject.toml's default, scripts/test_tiers.sh passes the
-full one, the Makefile's ``test-copies`` and ``test-engines`` the others. ``full`` and ``copies`` are markers
+"""Each tier's ``pytest -m`` expression: the fast one is pyproject.toml's default, the others the Makefile's
+(``FULL_TIER``, ``COPIES_TIER``, ``test-engines``); tests/unit/test_tiers.py checks both files agree. ``full`` and ``copies`` are markers
 tests/conftest.py adds by the rule (a case may also carry ``full`` itself)."""
 COPY_MODELS = frozenset(MODELS[1:])
 """The test models after the first: a model-independent check's runs on them are its copies."""
@@ -55,11 +55,6 @@ def tier(marks: Iterable[str], models: Iterable[str]) -> Tier:
     return "fast"
 
 
-def full_tier(marks: Iterable[str], models: Iterable[str]) -> bool:
-    """Whether a case with these markers, run on these models, belongs to the full tier."""
-    return tier(marks, models) == "full"
-
-
 def models_of(item: pytest.Item) -> set[str]:
     """The models a collected case runs on, read from its parameters: a model name, or an object whose ``model``
     attribute is one (a case record)."""
@@ -78,7 +73,3 @@ def tier_of(item: pytest.Item) -> Tier:
     """The tier of the collected case ``item``."""
     return tier((mark.name for mark in item.iter_markers()), models_of(item))
 
-
-def in_full_tier(item: pytest.Item) -> bool:
-    """Whether the collected case ``item`` runs in the full tier."""
-    return tier_of(item) == "full"
