@@ -76,6 +76,10 @@ class EngineSettings(BaseModel):
     flash attention never did (docs/benchmarks/gpu.md). On with many sessions in one pool: every token
     attends over the whole pool and flash attention skips other sessions' masked cells, so batched decode
     runs faster (``kvagent bench concurrency --flash-attn``)."""
+    retain: bool = True
+    """Keep a closed session's cells for later sessions of its scope (its prefix, or its whole conversation resumed
+    and edited: ``SequencePool.retain``, ``Session.resume``), given back least recently used first when a
+    sequence or KV room is wanted. False: a closed session's cells are freed at once."""
     swa_full: bool = True
     """Keep full-size caches for sliding-window layers so sequence operations stay exact."""
     capture: Literal["none", "native", "python"] = "none"
@@ -97,7 +101,7 @@ class EngineSettings(BaseModel):
     def backend_config(self) -> BackendConfig:
         """The backend's settings, ``n_gpu_layers`` (:func:`auto_gpu_layers`) and ``flash_attn``
         (:func:`auto_flash_attn`) resolved when left unset."""
-        config = self.model_dump(exclude={"model", "backend", "prefill_chunk", "prefill_chunk_alone"})
+        config = self.model_dump(exclude={"model", "backend", "prefill_chunk", "prefill_chunk_alone", "retain"})
         if config["n_gpu_layers"] is None:
             config["n_gpu_layers"] = auto_gpu_layers(self.backend)
         if config["flash_attn"] is None:
@@ -152,7 +156,7 @@ class Engine:
             raise KVAgentError(f"{type(backend).__name__} does not implement kvagent.backends.Backend; "
                                f"pass an instance that does, or a registered name: {', '.join(backend_names())}")
         self.backend: Backend = backend or create_backend(settings.backend, self.model.path, settings.backend_config())
-        self.pool = SequencePool(self.backend)
+        self.pool = SequencePool(self.backend, retain=settings.retain)
         self.scheduler = Scheduler(self.pool)
         self._alone_chunk = self._preemptible_chunk(settings.prefill_chunk_alone)
         self._sessions: dict[int, Session] = {}
@@ -334,7 +338,7 @@ class Engine:
     def _release(self, session: Session) -> None:
         """Runs on the scheduler's worker, as the session's last unit of work."""
         if self._sessions.pop(session.seq, None) is not None:
-            self.pool.release(session.seq)
+            session.cache.retain(session.resume_point)
 
     @property
     def open_sessions(self) -> int:

@@ -62,6 +62,7 @@ class Generation:
     prefix: str = ""  # the answer prefix the turn was started from
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the turn made (``finish_reason`` ``tool_calls``)
     edits: tuple[ImplicitEdit, ...] = ()  # what a resent prompt's changes became (``kv.rebase``)
+    resumed: int = 0  # tokens of a retained conversation this turn resumed (``Session.resume``; 0: none)
 
     @property
     def generated(self) -> int:
@@ -119,6 +120,7 @@ class TurnHost(Protocol):
     def sync_work(self, rendered: Rendered) -> Work[PrefillReport]: ...
     def replace_work(self, segments: Sequence[Segment]) -> Work[PrefillReport]: ...
     def rebase_work(self, rendered: Rendered) -> Work[PrefillReport]: ...
+    def resume(self, segments: Sequence[Segment], tail: Sequence[Segment] = ()) -> list[Segment]: ...
     def restore_segments(self, segments: Sequence[Segment]) -> None: ...
     replies: ReplyTokens
 
@@ -176,6 +178,9 @@ class Decoder:
         self._original = list(host.segments)
         self._before = [*(self.base if self.base is not None else self._original), *self.extra]
         pending = Segment(SegmentKind.TURN, self.prefix, role="assistant", complete=False)
+        if self.base is not None and not host.cache.tokens:  # a resent prompt on a new session: resume what was seen
+            self.base = host.resume(self.base, [*self.extra, pending])
+            self._before = [*self.base, *self.extra]
         rendered = host.renderer.render([*self._before, pending])  # validates before anything changes
         self._rendered = rendered
         # a resent prompt (base) is edited where it changed; an extended one is synced from its common prefix
@@ -271,7 +276,8 @@ class Decoder:
         yield from host.replace_work([*self._before, turn])
         r = self._report
         return Generation(text, tuple(self.ids), self.finish_reason, r.reused, r.computed, self.ttft,
-                          time.perf_counter() - self._start, r.transplanted, self.prefix, self.calls, r.edits)
+                          time.perf_counter() - self._start, r.transplanted, self.prefix, self.calls, r.edits,
+                          r.resumed)
 
     def _untagged(self, reply: str, tool_format: Any) -> list[ToolCall]:
         """The bare-JSON calls of a text reply (``ToolFormat.untagged_calls``) whose arguments the tool's schema

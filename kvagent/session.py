@@ -52,6 +52,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+RESUME_CANDIDATES = 8
+"""Retained conversations a resent prompt is compared with (the most recently used first)."""
+RESUME_GAIN = 32
+"""Tokens resuming a retained conversation must keep beyond the prefix the index gives, to be worth taking it."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a closed session leaves with its retained cells (``SequencePool.retain``) for a later session to resume
+    from: the renderer it rendered with (a chat format and a scope's memo), its segments and their rendering."""
+
+    renderer: Renderer
+    segments: tuple[Segment, ...]
+    rendered: Rendered
+
+
 @dataclass(frozen=True)
 class TurnFit:
     """What a turn needs (:meth:`Session.fit`): the prompt's tokens, the reply budget, the KV cells it may add."""
@@ -86,6 +102,7 @@ class Session:
         self._warned: set[str] = set()  # fallback reasons already logged at WARNING
         self._implicit = implicit_edits if implicit_edits is not None else CalibratedSplice()
         self._discovered: dict[str, int] = {}
+        self._resumed = 0  # tokens of a retained conversation the next rebase starts from (reported once)
 
     # -- state ------------------------------------------------------------------------------------
     seq = property(lambda self: self.cache.seq, doc="The backend sequence id this session's KV lives in.")
@@ -178,6 +195,53 @@ class Session:
         return sync(self.cache, rendered, skills=library, renderer_sink=lambda: library.sink(self.renderer),
                     share_prefix=self._share_prefix, fidelity=self._fidelity)
 
+    @property
+    def resume_point(self) -> Resume | None:
+        """What this session's retained cells can be resumed from once it is closed (None: nothing rendered)."""
+        if not self._segments or self._rendered is None:
+            return None
+        return Resume(self.renderer, tuple(self._segments), self._rendered)
+
+    def resume(self, segments: Sequence[Segment], tail: Sequence[Segment] = ()) -> list[Segment]:
+        """For a session that caches nothing yet, about to be given the resent prompt ``segments`` (then ``tail``):
+        take the retained conversation of its scope (``SequencePool.retained``, a closed session's cells) that
+        keeps the most of it once its changed regions are edited in place, when that beats the prefix another
+        sequence gives by :data:`RESUME_GAIN` tokens. Its cells become this session's, and the next
+        :meth:`rebase_work` edits them into ``segments`` ("beyond a prefix": a history resent with a line changed
+        near its top keeps the rest). Returns ``segments`` with the resumed conversation's exact reply tokens.
+        Runs on the engine's worker (it moves cells)."""
+        cache = self.cache
+        segments = list(segments)
+        if cache.tokens or not self._share_prefix or cache.evictor is not None or not cache.backend.capabilities.shift:
+            return segments
+        candidates = [r for r in reversed(cache.pool.retained) if r.scope == cache.scope
+                      and isinstance(r.memo, Resume) and r.memo.renderer is self.renderer
+                      and r.tokens[:len(r.memo.rendered.tokens)] == r.memo.rendered.tokens][:RESUME_CANDIDATES]
+        if not candidates:
+            return segments
+        first = self.renderer.render(attach_tools(self.renderer, [*segments, *tail]))
+        _, prefix = cache.pool.index.match(first.tokens, exclude=cache.seq, scope=cache.scope)
+        best, best_kept, best_segments = None, prefix + RESUME_GAIN, segments
+        for retained in candidates:
+            memo: Resume = retained.memo
+            resolved = self.replies.resolve_all(segments, memo.segments)
+            new = self.renderer.render(attach_tools(self.renderer, [*resolved, *tail]))
+            hunks, inner, why = plan_rebase(memo.rendered, new, **self._rebase_options(memo.segments))
+            kept = common_prefix(memo.rendered.tokens, new.tokens) if why is not None else \
+                len(new.tokens) - sum(h.added for h in hunks)
+            if kept >= best_kept:
+                best, best_kept, best_segments = retained, kept, resolved
+        if best is None:
+            return segments
+        memo = best.memo
+        cache.adopt(best, len(memo.rendered.tokens))
+        self._segments, self._rendered = list(memo.segments), memo.rendered
+        self._resumed = len(memo.rendered.tokens)
+        log.info("seq %d resumed a retained conversation of %d tokens (seq %d): %d of %d tokens kept (the prefix "
+                 "index offered %d)", cache.seq, len(memo.rendered.tokens), best.seq, best_kept, len(first.tokens),
+                 prefix)
+        return best_segments
+
     def rebase_work(self, rendered: Rendered) -> Work[PrefillReport]:
         """Bring the cache to ``rendered``, a prompt a client resent whole: the regions that changed inside it are
         edited in place where this model's calibration says splices hold (``kv.rebase``), the rest synced as usual.
@@ -191,16 +255,19 @@ class Session:
 
         report = yield from rebase(self.cache, self.rendered, rendered, sync=self.sync_work, detokenize=detokenize,
                                    **self._rebase_options())
+        if self._resumed:
+            report, self._resumed = dataclasses.replace(report, resumed=self._resumed), 0
         for edit in report.edits:
             if edit.kind != "fallback":
                 name = field_name(edit.line)
                 self._discovered[name] = self._discovered.get(name, 0) + 1
         return report
 
-    def _rebase_options(self) -> dict[str, Any]:
-        """What ``kv.rebase`` decides with for this session: the model's calibration (``recompute_because``), the
-        spans a resend may not edit in place (``frozen``: an assistant turn that called tools), the policy's bounds."""
-        by_id = {seg.id: seg for seg in self._segments}
+    def _rebase_options(self, segments: Sequence[Segment] | None = None) -> dict[str, Any]:
+        """What ``kv.rebase`` decides with for this session (editing ``segments``, default its own): the model's
+        calibration (``recompute_because``), the spans a resend may not edit in place (``frozen``: an assistant
+        turn that called tools), the policy's bounds."""
+        by_id = {seg.id: seg for seg in (self._segments if segments is None else segments)}
         tool_format = format_of(self.renderer)
 
         def frozen(span: Span) -> str | None:

@@ -34,7 +34,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -84,6 +84,7 @@ class FakeBackend:
         self.model, self.seed, self.eos_bias = model, seed, eos_bias
         self._add_bos, self._can_shift = add_bos, can_shift
         self._closed = False
+        self.reclaim: Callable[[], bool] | None = None  # as llama.cpp's backend: asked for room before a refusal
         # vocabulary: (kind, text) -> id, and back; kinds: "special", "word", "nl", "unk"
         self._ids: dict[tuple[str, str], int] = {
             ("special", "</s>"): EOS, ("special", "<s>"): BOS, ("unk", "<unk>"): UNK, ("nl", "\n"): NEWLINE,
@@ -222,6 +223,8 @@ class FakeBackend:
         rows: list[np.ndarray] = []
         for start in range(0, n, self.n_batch):
             end = min(n, start + self.n_batch)
+            while self.n_ctx - len(self._cells) < end - start and self.reclaim is not None and self.reclaim():
+                pass  # room made from cells kept only for reuse
             self._check_chunk(tokens, positions, seq_ids, start, end)
             for j in range(start, end):
                 chain = self._append(int(seq_ids[j]), int(positions[j]), int(tokens[j]))
@@ -418,6 +421,8 @@ class FakeBackend:
             raise BackendError(
                 f"seq_restore(seq={seq}) refused bytes saved by {model!r} ({fmt}); this is {self._identity()!r}"
             )
+        while self.n_ctx - len(self._cells) < len(cells) and self.reclaim is not None and self.reclaim():
+            pass
         if self.n_ctx - len(self._cells) < len(cells):
             raise BackendError(
                 f"seq_restore(seq={seq}) refused {len(cells)} cells: not enough free KV cells "

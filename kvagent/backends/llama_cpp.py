@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import llama_cpp as C
 import numpy as np
@@ -208,6 +208,9 @@ class LlamaCppBackend:
         self._offloaded = cfg.n_gpu_layers != 0
         # preemption (enable_preemption): 0 off, 1 armed around one decode, 2 abort requested; C reads it
         self._preempt = ctypes.c_int(0)
+        # asked, before a decode or a restore is refused for room, to free cells kept only for reuse (the pool's
+        # retained sequences); True when it freed some
+        self.reclaim: Callable[[], bool] | None = None
         self._preempt_lock = threading.Lock()
         self._abort_cb: Any = None
         # V is stored transposed without flash attention: state saved one way cannot be restored the other
@@ -462,6 +465,8 @@ class LlamaCppBackend:
                 batch.seq_id[i][0] = seq_ids[j]
                 batch.logits[i] = 1 if outputs[j] else 0
             rc = int(C.llama_decode(ctx, batch))
+            while rc == 1 and self.reclaim is not None and self.reclaim():  # refused whole: retry once room is made
+                rc = int(C.llama_decode(ctx, batch))
             if rc == 1:
                 raise KVCacheFullError(
                     f"llama_decode found no free KV cells for {m} tokens (pool of {self.n_ctx}): "
@@ -549,7 +554,10 @@ class LlamaCppBackend:
         # a bytearray (bytes moved in place, kvagent.kv.rotate) is read where it lies: no copy of tens of MB
         array = ctypes.c_uint8 * len(data)
         buf = array.from_buffer(data) if isinstance(data, bytearray) else array.from_buffer_copy(data)
-        if int(C.llama_state_seq_set_data(ctx, buf, len(data), seq)) == 0:
+        ok = int(C.llama_state_seq_set_data(ctx, buf, len(data), seq)) != 0
+        while not ok and self.reclaim is not None and self.reclaim():  # the sequence was emptied: retry with room
+            ok = int(C.llama_state_seq_set_data(ctx, buf, len(data), seq)) != 0
+        if not ok:
             raise BackendError(
                 f"llama_state_seq_set_data(seq={seq}) refused {len(data)} bytes: not enough free KV cells, "
                 "or the bytes come from another model or context layout"

@@ -1,20 +1,30 @@
 """SequencePool: the backend's sequences, who holds them, and which cells they share.
 
 The pool owns the backend's sequence ids (a free list), lends scratch sequences for KV surgery, keeps
-the :class:`PrefixIndex` of every live sequence's shareable prefix, and records which sequences share
-cells (``seq_cp`` in a unified KV pool shares cells instead of copying them: a shift of one sharer moves
+the :class:`PrefixIndex` of every live and retained sequence's shareable prefix, and records which sequences
+share cells (``seq_cp`` in a unified KV pool shares cells instead of copying them: a shift of one sharer moves
 the others' too). ``lock`` serialises every native call on the backend; whoever calls the
 backend directly (benchmarks, tests) takes it.
 
-Invariant: a sequence id is either free (empty in the backend) or held by exactly one owner.
+**Retained sequences.** A closed session's sequence is not emptied: :meth:`retain` keeps its cells and its
+indexed prefix, so a later session of the same scope starts from them (as vLLM's automatic prefix caching
+keeps freed blocks and SGLang's radix cache keeps every prefix). Retained cells are only ever given back, never
+competed for: the least recently used retained sequence is emptied when a sequence id is wanted and none is free
+(:meth:`take`), and when the backend finds no room in the KV pool for a decode or a restore (the backend's
+``reclaim`` hook, installed here). A live sequence's cells are never touched by that.
+
+Invariant: a sequence id is either free (empty in the backend), held by exactly one owner, or retained (its cells
+kept for reuse, owned by the pool).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 from kvagent.backends.base import Backend, RopeLayout
 from kvagent.errors import KVAgentError
@@ -25,15 +35,36 @@ log = logging.getLogger(__name__)
 _UNSET = object()
 
 
-class SequencePool:
-    """Sequence ids of one backend: take / release, scratch sequences, the prefix index, shared cells."""
+@dataclass(frozen=True)
+class Retained:
+    """A closed sequence kept for reuse: its cached ``tokens`` (positions ``0..len-1``, every one held), the
+    ``stale`` positions among them (KV kept across an upstream splice: fine for the conversation that made them,
+    never indexed for another), its index ``scope``, and ``memo``: what its last owner left for a later one to
+    resume from (a session's rendered prompt)."""
 
-    def __init__(self, backend: Backend) -> None:
+    seq: int
+    tokens: tuple[int, ...]
+    scope: str
+    stale: frozenset[int] = frozenset()
+    memo: Any = None
+
+
+class SequencePool:
+    """Sequence ids of one backend: take / release / retain, scratch sequences, the prefix index, shared cells.
+
+    ``retain``: whether :meth:`retain` keeps a closed sequence's cells (False: it releases them)."""
+
+    def __init__(self, backend: Backend, *, retain: bool = True) -> None:
         self.backend = backend
         self.lock = threading.RLock()
         self.index = PrefixIndex()
+        self.retains = retain
         self._free = list(range(backend.n_seq_max - 1, -1, -1))
         self._held: set[int] = set()
+        self._retained: OrderedDict[int, Retained] = OrderedDict()  # least recently used first
+        self.reclaimed = 0  # retained sequences given back (for tests, benchmarks and metrics)
+        if hasattr(backend, "reclaim"):  # the backend asks before it refuses a decode or a restore for room
+            backend.reclaim = self.reclaim
         # (a, b) with a < b -> cells at positions < upto are shared by both sequences
         self._shared: dict[tuple[int, int], int] = {}
         self._rope: RopeLayout | None | object = _UNSET  # the backend's, asked once (moved_state)
@@ -41,8 +72,8 @@ class SequencePool:
     # -- ids --------------------------------------------------------------------------------------
     @property
     def free(self) -> int:
-        """How many sequences are free now."""
-        return len(self._free)
+        """How many sequences can be taken now: the free ones and the retained ones (given back on demand)."""
+        return len(self._free) + len(self._retained)
 
     @property
     def held(self) -> int:
@@ -51,6 +82,8 @@ class SequencePool:
     def take(self, purpose: str) -> int:
         """A free sequence id, emptied; refused with the fix when every sequence is in use."""
         with self.lock:
+            if not self._free:
+                self.reclaim()
             if not self._free:
                 raise KVAgentError(
                     f"no free sequence for {purpose}: all {self.backend.n_seq_max} are in use; close a session or "
@@ -71,6 +104,70 @@ class SequencePool:
             self.backend.seq_rm(seq, -1, -1)
             self._held.discard(seq)
             self._free.append(seq)
+
+    def retain(self, seq: int, tokens: Sequence[int], scope: str, *, stale: frozenset[int] = frozenset(),
+               memo: Any = None) -> None:
+        """Keep held ``seq``'s cells of ``tokens`` (its cached positions ``0..len-1``, every one held; later cells
+        are removed) for reuse after its owner is done, its indexed prefix staying in the index (see the module
+        docstring), with ``memo`` for a later owner. Released instead when ``tokens`` is empty or the pool does not
+        retain."""
+        with self.lock:
+            if seq not in self._held:
+                return
+            if not self.retains or not tokens:
+                self.release(seq)
+                return
+            if self.backend.seq_pos_range(seq)[1] >= len(tokens):  # cells past them: never reused
+                self.backend.seq_rm(seq, len(tokens), -1)
+                self.cut(seq, len(tokens))
+            self._held.discard(seq)
+            self._retained[seq] = Retained(seq, tuple(tokens), scope, frozenset(stale), memo)
+            log.debug("seq %d retained: %d tokens", seq, len(tokens))
+
+    @property
+    def retained(self) -> tuple[Retained, ...]:
+        """The retained sequences, least recently used first."""
+        with self.lock:
+            return tuple(self._retained.values())
+
+    def touch(self, seq: int) -> None:
+        """``seq``'s cells were reused: a retained sequence becomes the most recently used."""
+        with self.lock:
+            if seq in self._retained:
+                self._retained.move_to_end(seq)
+
+    def reclaim(self) -> bool:
+        """Empty the least recently used retained sequence and free its id; False when none is retained. Cells it
+        shares with a live sequence stay (they are that sequence's)."""
+        with self.lock:
+            if not self._retained:
+                return False
+            seq, _ = self._retained.popitem(last=False)
+            self._held.add(seq)
+            self.release(seq)
+            self.reclaimed += 1
+            log.debug("retained seq %d given back", seq)
+            return True
+
+    def clear_retained(self) -> int:
+        """Give back every retained sequence; returns how many."""
+        with self.lock:
+            n = 0
+            while self.reclaim():
+                n += 1
+            return n
+
+    def adopt(self, retained: Retained, seq: int) -> None:
+        """Move ``retained``'s cells into held, empty ``seq`` (the cells change owner, nothing is copied or
+        computed) and free the retained id."""
+        with self.lock:
+            if self._retained.get(retained.seq) is not retained or seq not in self._held:
+                raise KVAgentError("adopt: the retained sequence was given back, or the target is not held "
+                                   "(internal error)")
+            del self._retained[retained.seq]
+            self._held.add(retained.seq)
+            self.share(retained.seq, seq, 0, len(retained.tokens))
+            self.release(retained.seq)
 
     @contextmanager
     def scratch(self) -> Iterator[int]:
@@ -115,6 +212,7 @@ class SequencePool:
         """``seq_cp`` of ``src``'s cells ``[p0, p1)`` into ``dst``, recording that both now hold them."""
         with self.lock:
             self.backend.seq_cp(src, dst, p0, p1)
+            self.touch(src)
             self._note(src, dst, p1)
             for (a, b), upto in list(self._shared.items()):  # dst now also shares what src shares
                 other = b if a == src else a if b == src else -1

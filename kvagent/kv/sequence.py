@@ -11,7 +11,7 @@ and extended again (a cut below it recomputes from 0).
 
 This class is the one owner of those fields: they are read-only properties, and every change goes through
 one of its verbs (``cut``, ``share_prefix``, ``decode_run``, ``extend_decoded``, ``place_transplant``,
-``redecode_last``, ``commit``, ``adopt_recompute``, ``mark_stale``, ``append``, ``restore``), which also
+``redecode_last``, ``commit``, ``adopt``, ``adopt_recompute``, ``mark_stale``, ``append``, ``restore``), which also
 keep the pool's prefix index and shared-cell record in step. Only these verbs call the backend on the
 sequence; scratch sequences lent by ``SequencePool.scratch`` belong to whoever borrowed them.
 """
@@ -25,7 +25,7 @@ import numpy as np
 
 from kvagent.errors import DecodeAborted, KVAgentError
 from kvagent.kv.compact import compact_positions
-from kvagent.kv.pool import SequencePool
+from kvagent.kv.pool import Retained, SequencePool
 from kvagent.kv.work import PAUSE, Work
 from kvagent.segments import Rendered
 
@@ -144,6 +144,28 @@ class CachedSequence:
         copied). ``src`` must hold exactly those tokens there, and ``tokens`` must extend ``self.tokens``."""
         self.pool.share(src, self.seq, self.cell(len(self._tokens)), self.cell(len(tokens)))
         self._tokens, self._logits = tuple(tokens), None
+
+    def adopt(self, retained: Retained, length: int) -> None:
+        """Take ``retained``'s cells (this sequence caches nothing yet) and keep its first ``length`` tokens: the
+        cells change owner, nothing is computed (``SequencePool.adopt``)."""
+        if self._tokens:
+            raise KVAgentError("adopt: this sequence already caches tokens (internal error)")
+        self.pool.adopt(retained, self.seq)
+        self._tokens, self._logits, self._stale = retained.tokens, None, retained.stale
+        if length < len(self._tokens):
+            self.cut(length)
+        self.publish()
+
+    def retain(self, memo: object = None) -> None:
+        """This sequence's owner is done: the pool keeps its cells for reuse (``SequencePool.retain``) with ``memo``
+        (what a later owner resumes from), or frees them. Evicted holes and what follows them are not kept, nor are
+        cells restored from bytes that came from outside (they are never shared)."""
+        if self._restored or self._floor:
+            self.pool.release(self.seq)
+            return
+        keep = self._tokens[:min(self._evicted)] if self._evicted else self._tokens
+        self.pool.retain(self.seq, keep, self.scope, stale=frozenset(p for p in self._stale if p < len(keep)),
+                         memo=memo if len(keep) == len(self._tokens) else None)
 
     def adopt_recompute(self, src: int, start: int, logits: np.ndarray) -> None:
         """Replace the cells from ``start`` on by ``src``'s (a recompute of the same tokens in a scratch sequence,

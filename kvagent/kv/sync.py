@@ -66,6 +66,7 @@ class PrefillReport:
     fell_back: bool = False  # the guard found the transplant too far off and adopted the recompute
     recomputed_because: str | None = None  # a splice that could not be exact recomputed from the field: why
     edits: tuple[ImplicitEdit, ...] = ()  # a resent prompt's changed regions and what was done (``kv.rebase``)
+    resumed: int = 0  # tokens of a retained conversation this sync started from (``Session.resume``; 0: none)
 
 
 def check_fits(n_tokens: int, n_ctx: int, can_evict: bool) -> None:

@@ -125,6 +125,7 @@ def test_restored_cells_are_never_published_unless_shared(fake_engine: Engine) -
     a.prefill()
     blob, segments = a.save(), a.segments
     a.close()
+    fake_engine.pool.clear_retained()  # a's own cells would be shared: only the restored copy is under test
     restored = fake_engine.session(chat=False)
     restored.restore(blob, segments)
     assert restored.cache.restored and fake_engine.pool.index.indexed(restored.seq) == ()

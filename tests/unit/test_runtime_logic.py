@@ -515,10 +515,11 @@ def test_fifty_cancelled_streams_leak_no_sequence(fake_engine: Engine) -> None:
             stream2.close()
             s.close()
     assert fake_engine.pool.free == start - 1 and fake_engine.open_sessions == 1
+    fake_engine.pool.clear_retained()  # closed sessions' cells were kept for reuse: every one can be given back
     assert backend.used_cells == len(keeper.tokens)
     assert_at_rest(fake_engine, keeper)
     keeper.close()
-    assert fake_engine.pool.free == start and backend.used_cells == 0
+    assert fake_engine.pool.free == start and fake_engine.pool.clear_retained() == 1 and backend.used_cells == 0
 
 
 def test_calling_the_session_while_reading_its_stream_is_refused(fake_engine: Engine) -> None:
@@ -627,7 +628,8 @@ def test_session_close_frees_its_sequence(fake_engine: Engine) -> None:
     assert fake_engine.pool.free == start - 1
     s.close()
     s.close()
-    assert fake_engine.pool.free == start and fake_engine.backend.used_cells == 0  # type: ignore[attr-defined]
+    assert fake_engine.pool.free == start and [r.seq for r in fake_engine.pool.retained] == [s.seq]
+    assert fake_engine.pool.clear_retained() == 1 and fake_engine.backend.used_cells == 0  # type: ignore[attr-defined]
     with pytest.raises(KVAgentError, match="closed"):
         s.prefill()
 

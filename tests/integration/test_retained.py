@@ -1,0 +1,96 @@
+"""Retained KV on the real models: a closed session's cells serve the next session of its scope.
+
+A client without a session key opens a new conversation per request and resends its history. Each case runs that
+client (a new session per request, closed after the reply) in a scope of its own, so other tests' retained
+sequences never take part, and checks what it computes and what it answers:
+
+- against the same turns on one keyed session (the path a session key gets): the same reply tokens;
+- against a cold prefill of the same final prompt: the greedy token, and the logits within the implicit edits'
+  floor (``test_implicit_edits``: a splice keeps the KV after it stale, so not exact);
+- a prefix taken from a retained sequence is the cells a cold prefill computes: exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from kvagent.messages import ChatMessage, to_segments
+from kvagent.skills.fidelity import logit_cosine
+
+RULES = "\n".join(f"Rule {i}: when a customer asks about order type {i}, check ledger entry {i * 7} and reply "
+                  "politely." for i in range(10))
+QUESTIONS = ["Where is my order 1234?", "Can I change the address?", "How long does shipping take?"]
+_scopes = itertools.count()
+
+
+def system(minute: int) -> ChatMessage:
+    return ChatMessage("system", f"You are a support agent.\nCurrent time: 2026-12-07 10:{minute:02d}\n{RULES}\n"
+                                 "Be brief.")
+
+
+def scope() -> str:
+    return f"retained-test-{next(_scopes)}"
+
+
+def keyless(engine: Any, messages: list[ChatMessage], where: str, max_tokens: int = 6) -> tuple[Any, Any]:
+    """One request of a client that sends no session key: a new session, closed after the reply."""
+    with engine.session(scope=where) as session:
+        gen = session.generate(max_tokens, segments=to_segments(messages))
+        return gen, session.logits()
+
+
+def test_a_new_conversation_starts_from_a_closed_ones_prefix_exactly(engine: Any) -> None:
+    where = scope()
+    keyless(engine, [system(0), ChatMessage("user", QUESTIONS[0])], where)
+    messages = [system(0), ChatMessage("user", QUESTIONS[1])]
+    gen, logits = keyless(engine, messages, where)
+    with engine.session(to_segments(messages), share_prefix=False) as cold:
+        cold_gen = cold.generate(6)
+    question = len(engine.renderer(True).render(to_segments(messages[1:])).tokens)
+    assert gen.computed <= question + 8 and gen.reused > 200 and gen.resumed == 0
+    assert gen.token_ids == cold_gen.token_ids
+
+
+def test_a_keyless_history_with_a_changed_clock_line_resumes_its_conversation(engine: Any) -> None:
+    where = scope()
+    history: list[ChatMessage] = []
+    keyed = engine.session(scope=scope())
+    try:
+        for turn, question in enumerate(QUESTIONS):
+            messages = [system(turn), *history, ChatMessage("user", question)]
+            gen, logits = keyless(engine, messages, where)
+            mine = keyed.generate(6, segments=to_segments(messages))
+            if turn:
+                new = len(engine.renderer(True).render(to_segments(messages[-1:])).tokens)
+                # the minute (one token or two), the reply before it (its closing), the new question, the last token
+                assert gen.computed <= 2 + new + 64 < len(keyed.tokens) // 2, (turn, gen.computed)
+                assert gen.resumed > 0 and [e.kind for e in gen.edits] == ["replace"]
+                assert gen.computed == mine.computed
+            assert gen.token_ids == mine.token_ids  # the same reply as a keyed session's
+            history += [messages[-1], ChatMessage("assistant", gen.text)]
+        keyed_logits = keyed.logits()
+        with engine.session(keyed.segments, share_prefix=False) as cold:
+            cold_logits = cold.logits()
+            assert cold.tokens == keyed.tokens
+        # the cache's own noise floor: the same prompt extended warm from a cached prefix against cold
+        with engine.session(keyed.segments[:-2], share_prefix=False) as warm:
+            warm.prefill()
+            warm.resend(keyed.segments)
+            floor = logit_cosine(warm.logits(), cold_logits)
+        # the keyed session's cells, resumed: they differ from its own only as cells decoded in other chunks do
+        assert logit_cosine(logits, keyed_logits) >= floor - 0.001, floor
+        # two clock lines spliced in place: the KV after them is stale, as on a keyed session (the same floor)
+        assert logit_cosine(logits, cold_logits) >= logit_cosine(keyed_logits, cold_logits) - 0.005
+        assert logits.argmax() == cold_logits.argmax() == keyed_logits.argmax()
+    finally:
+        keyed.close()
+
+
+def test_a_conversation_is_never_resumed_from_another_scope(engine: Any) -> None:
+    mine, other = scope(), scope()
+    keyless(engine, [system(0), ChatMessage("user", QUESTIONS[0])], other)
+    gen, _ = keyless(engine, [system(1), ChatMessage("user", QUESTIONS[0])], mine)
+    assert gen.resumed == 0 and gen.reused == 0
