@@ -8,6 +8,8 @@ field appends an erratum message instead of rewriting the field ("Models Take No
 arXiv:2606.17107), so every message already sent stays as it was: the messages of turn k are those of
 turn k-1, then the reply, then whatever was added. :meth:`RemoteSession.messages` is exactly what is sent.
 
+Requests travel through the ``openai`` SDK, never retried behind the caller's back; what is kvagent's is the
+rest: segments as messages, errata, local token budgets, and a reply joining the prompt only once complete.
 Token budgets are counted locally before anything is sent (``kvagent_server.tokens``): exactly, with the
 model's own GGUF; else estimated with tiktoken. A prompt that does not fit raises
 :class:`~kvagent.errors.ContextOverflowError` and nothing is sent.
@@ -20,13 +22,15 @@ model's own GGUF; else estimated with tiktoken. A prompt that does not fit raise
 
 from __future__ import annotations
 
-import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import httpx
+import openai
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedError
 from kvagent.fields import FieldSpec, check_changes
@@ -73,9 +77,12 @@ class RemoteEdit:
 
 class RemoteEngine:
     """An OpenAI-compatible server (``base_url`` ending in ``/v1``) serving ``model`` with a context of
-    ``n_ctx`` tokens. ``tokenizer``: the model's GGUF (registry name or path; exact counts), a
+    ``n_ctx`` tokens, reached through an ``openai.OpenAI`` client (:attr:`client`) that never retries.
+    ``tokenizer``: the model's GGUF (registry name or path; exact counts), a
     :class:`~kvagent_server.tokens.TokenCounter`, or None (a tiktoken estimate). ``client``: an
-    ``httpx.Client`` to send with (proxies, TLS, event hooks); default: one made here.
+    ``httpx.Client`` the SDK sends with (proxies, TLS, event hooks, its own timeout); default: the SDK's own,
+    with ``timeout_s``. ``api_key`` None sends no ``Authorization`` header, and the ``OPENAI_*`` variables of
+    the environment (an OpenAI key, organization, project) are never sent to this server.
 
     ``cache_salt``: sent as vLLM's ``cache_salt`` on every request (a non-empty string; requests with
     different salts never share prefix-cache blocks: one salt per tenant keeps tenants' caches apart); None
@@ -98,10 +105,11 @@ class RemoteEngine:
         self.counter = counter_for(tokenizer)
         self._owns_counter = self.counter is not tokenizer
         self.erratum_template = erratum_template
-        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = client or httpx.Client(timeout=timeout_s)
-        self._client.base_url = httpx.URL(self.base_url + "/")
-        self._client.headers.update({**auth, **(headers or {})})
+        # the SDK refuses to start without a key: a placeholder, never sent (each request omits the header)
+        self._headers: dict[str, Any] = {} if api_key else {"Authorization": openai.Omit()}
+        self.client = openai.OpenAI(
+            base_url=self.base_url, api_key=api_key or "unsent", max_retries=0, http_client=client,
+            default_headers={**_NO_ENV_HEADERS, **(headers or {})}, **({} if client else {"timeout": timeout_s}))
 
     def session(self, segments: Sequence[Segment] = (), *, fields: Sequence[FieldSpec] = (),
                 cache_key: str | None = None, extra_body: Mapping[str, Any] | None = None) -> RemoteSession:
@@ -113,19 +121,16 @@ class RemoteEngine:
         ``id_slot``)."""
         return RemoteSession(self, segments, fields, cache_key=cache_key, extra_body=extra_body)
 
-    def post(self, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            response = self._client.post("chat/completions", json=body)
-        except httpx.HTTPError as exc:
-            raise RemoteError(f"{self.base_url} could not be reached: {exc}") from exc
-        _check(response)
-        return response.json()  # type: ignore[no-any-return]
-
-    def stream(self, body: dict[str, Any]) -> Any:
-        return self._client.stream("POST", "chat/completions", json=body)
+    def complete(self, request: Mapping[str, Any], *, stream: bool = False) -> Any:
+        """``client.chat.completions.create(**request)``: a ``ChatCompletion``, or with ``stream`` the SDK's
+        stream of chunks (usage in its last). Raises :class:`RemoteError` where the server refuses or cannot
+        be reached."""
+        streaming = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        with _remote_errors(self.base_url):
+            return self.client.chat.completions.create(**request, **streaming, extra_headers=self._headers)
 
     def close(self) -> None:
-        self._client.close()
+        self.client.close()
         close = getattr(self.counter, "close", None)
         if self._owns_counter and close is not None:
             close()
@@ -223,25 +228,23 @@ class RemoteSession:
 
     def generate(self, max_tokens: int = 128, *, user: str | None = None, **sampling: Any) -> RemoteGeneration:
         """The next assistant turn (after a new ``user`` turn when given), in one request."""
-        segments, body, prompt = self._request(max_tokens, user, sampling, stream=False)
+        segments, request, prompt = self._request(max_tokens, user, sampling)
         start = time.perf_counter()
-        data = self.engine.post(body)
+        reply: ChatCompletion = self.engine.complete(request)
         elapsed = time.perf_counter() - start
         try:
-            choice = data["choices"][0]
-            text = choice["message"].get("content") or ""
-        except (KeyError, IndexError, TypeError) as exc:
-            raise RemoteError(f"unexpected answer from {self.engine.base_url}: {json.dumps(data)[:300]}") from exc
-        use = data.get("usage") or {}
+            choice = reply.choices[0]
+            text = choice.message.content or ""
+        except (AttributeError, IndexError, TypeError) as exc:
+            raise RemoteError(f"unexpected answer from {self.engine.base_url}: {str(reply)[:300]}") from exc
         self._segments = [*segments, Segment.assistant(text)]
-        return RemoteGeneration(text, choice.get("finish_reason") or "stop", prompt, use.get("completion_tokens"),
-                                use.get("prompt_tokens"), _cached(use), elapsed, elapsed)
+        return _generation(text, choice.finish_reason or "stop", prompt, reply.usage, elapsed, elapsed)
 
     def stream(self, max_tokens: int = 128, *, user: str | None = None, **sampling: Any) -> RemoteStream:
         """The next assistant turn as an iterator of text pieces (``.result`` at the end). Closing it early
         closes the connection (the server stops generating) and the turn does not join the prompt."""
-        segments, body, prompt = self._request(max_tokens, user, sampling, stream=True)
-        return RemoteStream(self, segments, body, prompt)
+        segments, request, prompt = self._request(max_tokens, user, sampling)
+        return RemoteStream(self, segments, request, prompt)
 
     def close(self) -> None:
         """Nothing is held remotely; later calls raise :class:`SessionClosedError`."""
@@ -258,8 +261,9 @@ class RemoteSession:
         if self._closed:
             raise SessionClosedError("this remote session is closed: open a new one with engine.session()")
 
-    def _request(self, max_tokens: int, user: str | None, sampling: dict[str, Any],
-                 stream: bool) -> tuple[list[Segment], dict[str, Any], int]:
+    def _request(self, max_tokens: int, user: str | None, sampling: dict[str, Any]) -> tuple[list[Segment], dict, int]:
+        """(the prompt with the new user turn, the arguments of ``chat.completions.create``, its local count);
+        :class:`ContextOverflowError` where it does not fit."""
         self._check_open()
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -272,27 +276,25 @@ class RemoteSession:
             raise ContextOverflowError(
                 f"the prompt is {prompt} tokens ({how} locally) and {max_tokens} more are asked for: more than the "
                 f"context of {self.engine.n_ctx}; shorten the prompt or ask for fewer tokens (nothing was sent)")
-        body: dict[str, Any] = {"model": self.engine.model, "messages": messages, "max_tokens": max_tokens}
-        body.update(_sampling(**sampling))
-        body.update({**self.engine.extra_body, **self.extra_body})
+        options, extensions = _sampling(**sampling)
+        request = {"model": self.engine.model, "messages": messages, "max_tokens": max_tokens, **options}
         if self.cache_key is not None:
-            body["prompt_cache_key"] = self.cache_key
+            request["prompt_cache_key"] = self.cache_key
+        extra: dict[str, Any] = {**extensions, **self.engine.extra_body, **self.extra_body}  # fields the SDK lacks
         if self.engine.cache_salt is not None:
-            body["cache_salt"] = self.engine.cache_salt
-        if stream:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-        return segments, body, prompt
+            extra["cache_salt"] = self.engine.cache_salt
+        if extra:
+            request["extra_body"] = extra
+        return segments, request, prompt
 
 
 class RemoteStream:
     """Text pieces of one streamed reply; :attr:`result` holds the :class:`RemoteGeneration` at the end."""
 
-    def __init__(self, session: RemoteSession, segments: list[Segment], body: dict[str, Any], prompt: int) -> None:
-        self.session, self._segments, self._body, self._prompt = session, segments, body, prompt
+    def __init__(self, session: RemoteSession, segments: list[Segment], request: dict[str, Any], prompt: int) -> None:
+        self.session, self._segments, self._request, self._prompt = session, segments, request, prompt
         self.result: RemoteGeneration | None = None
         self._iter: Iterator[str] | None = None
-        self._context: Any = None
 
     def __iter__(self) -> Iterator[str]:
         if self._iter is None:
@@ -303,42 +305,27 @@ class RemoteStream:
         start = time.perf_counter()
         ttft: float | None = None
         pieces: list[str] = []
-        finish, use = "stop", {}
+        finish, usage = "stop", None
+        engine = self.session.engine
+        chunks: openai.Stream[ChatCompletionChunk] = engine.complete(self._request, stream=True)
         try:
-            self._context = self.session.engine.stream(self._body)
-            response = self._context.__enter__()
-        except httpx.HTTPError as exc:
-            raise RemoteError(f"{self.session.engine.base_url} could not be reached: {exc}") from exc
-        try:
-            if response.status_code >= 400:
-                response.read()
-                _check(response)
-            for line in response.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RemoteError(f"the server failed mid-stream: {chunk['error']}")
-                use = chunk.get("usage") or use
-                for choice in chunk.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content") or ""
-                    if piece:
-                        if ttft is None:
-                            ttft = time.perf_counter() - start
-                        pieces.append(piece)
-                        yield piece
-                    finish = choice.get("finish_reason") or finish
+            with _remote_errors(engine.base_url):
+                for chunk in chunks:
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices or ():
+                        piece = (choice.delta.content if choice.delta else None) or ""
+                        if piece:
+                            if ttft is None:
+                                ttft = time.perf_counter() - start
+                            pieces.append(piece)
+                            yield piece
+                        finish = choice.finish_reason or finish
         finally:
-            self._context.__exit__(None, None, None)
+            chunks.close()  # early: the server sees the connection closed and stops generating
         text = "".join(pieces)
         total = time.perf_counter() - start
         self.session._segments = [*self._segments, Segment.assistant(text)]
-        first = ttft if ttft is not None else total
-        self.result = RemoteGeneration(text, finish, self._prompt, use.get("completion_tokens"),
-                                       use.get("prompt_tokens"), _cached(use), first, total)
+        self.result = _generation(text, finish, self._prompt, usage, ttft if ttft is not None else total, total)
 
     def close(self) -> None:
         """Stop early: the connection is closed and the turn does not join the prompt."""
@@ -382,24 +369,25 @@ def segment_messages(segments: Sequence[Segment]) -> list[Message]:
 
 
 def _sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-              stop: Sequence[str] = ()) -> dict[str, Any]:
-    """Request fields for the options Session takes (only those that differ from greedy defaults, and
-    ``temperature`` always, since servers' defaults differ)."""
+              stop: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``chat.completions.create`` arguments, extension fields) for the options Session takes: only those that
+    differ from greedy defaults, and ``temperature`` always, since servers' defaults differ."""
     out: dict[str, Any] = {"temperature": temperature}
     if top_p != 1.0:
         out["top_p"] = top_p
-    if top_k:
-        out["top_k"] = top_k  # an extension vLLM, SGLang and llama.cpp's servers accept
     if seed is not None:
         out["seed"] = seed
     if stop:
         out["stop"] = list(stop)
-    return out
+    return out, ({"top_k": top_k} if top_k else {})  # top_k: an extension vLLM, SGLang and llama.cpp's servers accept
 
 
 # request fields kvagent itself sets: extra_body may not override them
 OWN_FIELDS = frozenset({"model", "messages", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k",
                         "seed", "stop", "prompt_cache_key", "cache_salt"})
+
+# what the SDK would otherwise read from OPENAI_ORG_ID / OPENAI_PROJECT_ID and send to a third-party server
+_NO_ENV_HEADERS = {"OpenAI-Organization": openai.Omit(), "OpenAI-Project": openai.Omit()}
 
 
 def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -410,23 +398,29 @@ def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(extra or {})
 
 
-def _cached(use: Mapping[str, Any]) -> int | None:
-    details = use.get("prompt_tokens_details") or {}
-    value = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return int(value) if value is not None else None
+def _generation(text: str, finish: str, prompt: int, usage: Any, ttft: float, total: float) -> RemoteGeneration:
+    """A :class:`RemoteGeneration` from the server's ``usage`` (None or fields missing: reported as None)."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None)
+    return RemoteGeneration(text, finish, prompt, getattr(usage, "completion_tokens", None),
+                            getattr(usage, "prompt_tokens", None), int(cached) if cached is not None else None,
+                            ttft, total)
 
 
-def _check(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
+@contextmanager
+def _remote_errors(base_url: str) -> Iterator[None]:
+    """The SDK's errors as :class:`RemoteError`: a refusal quotes the server's answer and keeps its status."""
     try:
-        detail = response.json()
-        message = (detail.get("error") or {}).get("message") if isinstance(detail, dict) else None
-        message = message or json.dumps(detail)[:500]
-    except ValueError:
-        message = response.text[:500]
-    raise RemoteError(f"{response.request.method} {response.request.url} answered {response.status_code}: {message}",
-                      response.status_code)
+        yield
+    except openai.APIStatusError as exc:  # the server's error.message (the SDK's body), else its whole answer
+        request, body = exc.response.request, exc.body
+        said = (body.get("message") if isinstance(body, Mapping) else None) or exc.response.text
+        raise RemoteError(f"{request.method} {request.url} answered {exc.status_code}: {str(said)[:500]}",
+                          exc.status_code) from exc
+    except openai.APIConnectionError as exc:
+        raise RemoteError(f"{base_url} could not be reached: {exc.__cause__ or exc}") from exc
+    except openai.APIError as exc:  # an error event in a stream that had started
+        raise RemoteError(f"the server failed mid-stream: {exc.message}") from exc
 
 
 __all__ = ["RemoteEdit", "RemoteEngine", "RemoteError", "RemoteGeneration", "RemoteSession", "RemoteStream",
