@@ -57,6 +57,14 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Any]:
     eng.close()
 
 
+@pytest.fixture(autouse=True)
+def _no_retained_sequences_from_earlier_tests(request: pytest.FixtureRequest) -> None:
+    """Each test on the shared engine starts without the sequences earlier tests closed (``SequencePool.retain``): a
+    cold prefill stays cold, and what a test reuses is what it made. Retention itself is tested within tests."""
+    if "engine" in request.fixturenames:
+        request.getfixturevalue("engine").pool.clear_retained()
+
+
 @pytest.fixture(scope="session")
 def reference(engine: Any) -> Any:
     """The torch reference model on the same GGUF as ``engine`` (skipped without the torch extra)."""

@@ -25,6 +25,7 @@ PROMPT = [POLICY, SHIPPED["refund-policy"].segment(), QUESTION]
 
 def bring_up(engine: Engine, library: object) -> tuple[np.ndarray, object]:
     engine.skills = library  # type: ignore[assignment]
+    engine.pool.clear_retained()  # each bring-up on the same empty pool: the cells' layout moves the last bits
     with engine.session(PROMPT, share_prefix=False) as s:
         report = s.prefill()
         return s.logits(), report

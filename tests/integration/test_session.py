@@ -24,9 +24,8 @@ def support_prompt(question: str = "Can I still cancel my order?") -> list[Segme
 
 
 def cold_logits(engine: Engine, segments: list[Segment]) -> np.ndarray:
-    """Next-token logits of a full prefill in a fresh session while no other session is open."""
-    assert engine.open_sessions == 0, "a cold prefill must not share cells with another session"
-    with engine.session(segments) as s:
+    """Next-token logits of a full prefill in a fresh session that shares no cell with another one."""
+    with engine.session(segments, share_prefix=False) as s:
         report = s.prefill()
         assert report.reused == 0 and report.computed == len(s.tokens)
         return s.logits()
@@ -90,7 +89,7 @@ def test_save_restore_round_trip(engine: Engine) -> None:
         blob = s.save()
         s.extend(*follow_up)
         continued = s.logits()  # the same suffix decoded on top of the original KV
-    with engine.session() as t:
+    with engine.session(share_prefix=False) as t:  # the follow-up decoded on top of the restored KV, not shared
         t.restore(blob, segments)
         assert t.tokens == engine.renderer(True).render(segments).tokens
         assert np.array_equal(t.logits(), before)

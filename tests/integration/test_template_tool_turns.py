@@ -60,6 +60,7 @@ def test_a_tool_loop_in_the_family_s_format_appends_and_replays_exactly(template
         text = b"".join(eng.backend.token_bytes(t) for t in s.tokens).decode()
         assert result_text in text
         ours = s.logits()
+    eng.pool.clear_retained()  # the first session's cells given back: the replay lands where they were
     with eng.session(prompt, share_prefix=False) as again:  # the same turns again: the same cells, bit for bit
         again.generate(48, tools=TOOLS, tool_choice="lookup_order")
         again.generate(24, segments=turn)
