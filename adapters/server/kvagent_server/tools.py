@@ -25,7 +25,8 @@ from kvagent.segments import Segment
 from kvagent.tools import ToolSet
 
 from kvagent_server.errors import InvalidRequest
-from kvagent_server.schemas import ChatRequest, MessageIn, ResponseFormat
+from kvagent_server.front import ChatRequest
+from kvagent_server.schemas import MessageIn, ResponseFormat
 
 if TYPE_CHECKING:
     from kvagent.engine import Engine
