@@ -1,5 +1,5 @@
 """OpenAI's chat shapes, once for every adapter: messages with call ids in, replies, usage, streamed call deltas
-and cut-off calls out, reply schemas, and the tool sets a client resends with every call (cached by content).
+and cut-off calls out, reply schemas; and an engine's answer back in (a reply whole or streamed, its usage).
 
 The server reads requests in this shape; ``ChatKVAgent`` converts LangChain's messages to it
 (``langchain_core.messages.convert_to_openai_messages``) and reads the same deltas as tool-call chunks. Errors
@@ -10,24 +10,20 @@ are :class:`MessageError` with the ``param`` they concern (``messages.3.tool_cal
 from __future__ import annotations
 
 import json
-import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from cachetools import LRUCache
-
-from kvagent.errors import ContextOverflowError, KVAgentError
+from kvagent.errors import KVAgentError
 from kvagent.messages import ChatMessage
-from kvagent.tools import ToolCall, ToolSet
-from kvagent.tools.format import HERMES, ToolFormat, format_of
+from kvagent.tools import ToolCall
+from kvagent.tools.format import HERMES, ToolFormat
 from kvagent.tools.grammar import check_schema
 from kvagent.tools.stream import CallDelta, CallSplitter
 
 if TYPE_CHECKING:
     from kvagent.conversation import Cost
-    from kvagent.engine import Engine
     from kvagent.generation import Generation
     from kvagent.kv.sync import ImplicitEdit
-    from kvagent.segments import Segment
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
          "ai": "assistant", "tool": "tool", "function": "tool"}
@@ -45,10 +41,13 @@ class MessageError(KVAgentError):
 
 
 # -- messages in ------------------------------------------------------------------------------------
-def text_of(content: Any, where: str) -> str | None:
-    """A message's text: a string, or text parts joined; None when absent. A media part is refused by name."""
+def text_of(content: Any, where: str = "content") -> str | None:
+    """A message's text: a string, or text parts joined; None when absent. A media part is refused by name
+    (``where``: the param it is reported under)."""
     if content is None or isinstance(content, str):
         return content
+    if not isinstance(content, (list, tuple)):
+        return str(content)
     parts: list[str] = []
     for part in content:
         if isinstance(part, str):
@@ -213,59 +212,104 @@ def cut_calls(gen: Generation, tool_format: ToolFormat = HERMES) -> list[dict[st
     return [c for i, c in sorted(begun.items()) if i >= len(gen.tool_calls)]
 
 
-# -- tool sets ----------------------------------------------------------------------------------------
-class ToolSets:
-    """Tool sets and the segments that describe them to the model, by the tools' JSON (a client resends them with
-    every call), least recently used dropped beyond ``limit``. ``scope`` and ``library``: the renderer and skill
-    library of a tenant, so one tenant's hit says nothing of another's tools. Safe from several threads.
-
-    A miss checks the tools (``ToolSet``: names, duplicates, schemas the grammar can express; ``ToolSpecError``
-    names the tool) and compiles their segments as skills on the engine's worker (once per model). A refused set
-    is not kept."""
-
-    def __init__(self, engine: Engine, limit: int = 64, *, scope: str = "", library: Any = None) -> None:
-        self.engine, self.limit, self.scope, self.library = engine, limit, scope, library
-        self._done: LRUCache[str, tuple[ToolSet, tuple[Segment, ...]]] = LRUCache(maxsize=limit)
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    @staticmethod
-    def key(tools: Sequence[Mapping[str, Any]]) -> str:
-        return json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
-
-    def get(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ToolSet, tuple[Segment, ...]]:
-        key = self.key(tools)
-        found = self.lookup(key)
-        if found is None:
-            with self._lock:
-                self.misses += 1
-            found = self.put(key, self.build(tools))
-        return found
-
-    def lookup(self, key: str) -> tuple[ToolSet, tuple[Segment, ...]] | None:
-        with self._lock:
-            found = self._done.get(key)  # a hit becomes the most recent
-            if found is not None:
-                self.hits += 1
-            return found
-
-    def put(self, key: str, built: tuple[ToolSet, tuple[Segment, ...]]) -> tuple[ToolSet, tuple[Segment, ...]]:
-        with self._lock:
-            # limit 0 keeps nothing (cachetools refuses any store into it); a set a concurrent miss put first keeps
-            # its place (only a lookup is a use)
-            if self.limit and key not in self._done:
-                self._done[key] = built
-        return built
-
-    def build(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ToolSet, tuple[Segment, ...]]:
-        toolset = ToolSet([dict(t) for t in tools])
-        renderer = self.engine.renderer(True, self.scope)
-        n = sum(len(renderer.segment_tokens(s)) for s in format_of(renderer).segments(toolset))
-        if n >= self.engine.backend.n_ctx:  # checked before anything is compiled
-            raise ContextOverflowError(f"tools: their descriptions are {n} tokens, the context "
-                                       f"{self.engine.backend.n_ctx}: send fewer or shorter tools")
-        return toolset, tuple(self.engine.tool_segments(toolset, library=self.library, scope=self.scope))
+# -- an engine's reply in ---------------------------------------------------------------------------
+class EngineStreamError(KVAgentError):
+    """An engine's stream carried an ``error`` event: its reply is not whole."""
 
 
-__all__ = ["MessageError", "StreamedCalls", "ToolSets", "chat_messages", "cut_calls", "openai_call", "reply_message",
-           "response_schema", "text_of", "usage"]
+@dataclass(frozen=True)
+class Used:
+    """An engine's ``usage``: prompt and reply tokens (None where it did not say), and the prompt tokens it reused
+    from its cache (``prompt_tokens_details.cached_tokens``)."""
+
+    prompt: int | None = None
+    completion: int | None = None
+    cached: int = 0
+
+    @property
+    def total(self) -> int | None:
+        """Prompt and reply tokens, the length of the sequence the engine holds; None where either is unknown."""
+        return self.prompt + self.completion if self.prompt is not None and self.completion is not None else None
+
+
+def used(usage: Any) -> Used:
+    """An answer's ``usage`` object read leniently (an engine may leave out any part)."""
+    if not isinstance(usage, Mapping):
+        return Used()
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return Used(prompt if isinstance(prompt, int) else None, completion if isinstance(completion, int) else None,
+                cached if isinstance(cached, int) else 0)
+
+
+def _assistant(content: Any, calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": (c.get("function") or {}).get("name"),
+                                           "arguments": (c.get("function") or {}).get("arguments")}} for c in calls]
+    return out
+
+
+def reply_of(answer: Any) -> dict[str, Any] | None:
+    """The reply of a chat completion (``choices[0].message``) as an assistant message: its content and its calls
+    (``id``, ``function.name``, ``function.arguments``, nothing an engine added); None for an answer without one."""
+    try:
+        message = answer["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(message, Mapping):
+        return None
+    calls = message.get("tool_calls")
+    return _assistant(message.get("content"), [c for c in calls if isinstance(c, Mapping)]
+                      if isinstance(calls, list) else ())
+
+
+@dataclass
+class ReplyStream:
+    """A streamed chat completion put back together, one event's data at a time (:meth:`add`): its text, its calls
+    (their deltas joined by ``index``), its finish reason and usage, and whether ``[DONE]`` came."""
+
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish: str | None = None
+    usage: Any = None
+    done: bool = False
+
+    def add(self, data: str) -> None:
+        """One event's ``data``; one that is not a JSON object is skipped. ``EngineStreamError`` for an ``error``
+        event."""
+        if data.strip() == "[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(chunk, dict):
+            return
+        if "error" in chunk:
+            raise EngineStreamError("the engine sent an error event")
+        self.usage = chunk.get("usage") or self.usage
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.text.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                slot = self.calls.setdefault(int(call.get("index", 0)), {"id": None, "name": "", "arguments": ""})
+                slot["id"] = call.get("id") or slot["id"]
+                function = call.get("function") or {}
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+            self.finish = choice.get("finish_reason") or self.finish
+
+    def message(self) -> dict[str, Any]:
+        """The reply as :func:`reply_of` gives a whole answer's."""
+        calls = [{"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for _, c in sorted(self.calls.items())]
+        return _assistant("".join(self.text) or None, calls)
+
+
+__all__ = ["EngineStreamError", "MessageError", "ReplyStream", "StreamedCalls", "Used", "chat_messages", "cut_calls",
+           "openai_call", "reply_message", "reply_of", "response_schema", "text_of", "usage", "used"]

@@ -10,9 +10,10 @@ import pytest
 from kvagent.conversation import Cost
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
-from kvagent.openai_shape import (MessageError, StreamedCalls, ToolSets, chat_messages, cut_calls, reply_message,
-                                  response_schema, usage)
+from kvagent.openai_shape import (EngineStreamError, MessageError, ReplyStream, StreamedCalls, Used, chat_messages,
+                                  cut_calls, reply_message, reply_of, response_schema, text_of, usage, used)
 from kvagent.tools import ToolCall
+from kvagent.tools.sets import ToolSets
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
 ASKED = {"role": "assistant", "content": None, "tool_calls": [CALL]}
@@ -156,3 +157,44 @@ def test_tool_sets_keep_the_most_recently_used(limit: int, ops: str, kept: str) 
     hits = sets.hits
     assert "".join(k for k in "abc" if sets.lookup(k) is not None) == kept
     assert sets.hits == hits + len(kept)
+
+
+def test_an_engine_reply_reads_back_as_the_message_a_client_resends() -> None:
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None, "refusal": None,
+                                                   "tool_calls": [{**CALL, "extra": 1}]}}],
+              "usage": {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}}}
+    assert reply_of(answer) == ASKED
+    assert reply_of({"choices": []}) is None and reply_of({"error": "x"}) is None
+    assert used(answer["usage"]) == Used(10, 3, 8) and used(answer["usage"]).total == 13
+    assert used(None).total is None and used({"prompt_tokens": 4}).total is None
+
+
+def test_a_streamed_reply_is_put_back_together_by_call_index() -> None:
+    stream = ReplyStream()
+    head = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "weather", "arguments": ""}}
+    pieces = [head, *({"index": 0, "function": {"arguments": a}} for a in ('{"city": ', '"Oslo"}'))]
+    chunks = [*({"choices": [{"index": 0, "delta": {"tool_calls": [p]}}]} for p in pieces),
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}]
+    for chunk in chunks:
+        stream.add(json.dumps(chunk))
+    stream.add("not json")
+    assert not stream.done
+    stream.add("[DONE]")
+    assert stream.done and stream.finish == "tool_calls" and stream.message() == ASKED
+    assert used(stream.usage).total == 7
+    text = ReplyStream()
+    for piece in ("Hel", "lo"):
+        text.add(json.dumps({"choices": [{"index": 0, "delta": {"content": piece}}]}))
+    assert text.message() == {"role": "assistant", "content": "Hello"} and text.finish is None
+    with pytest.raises(EngineStreamError):
+        text.add(json.dumps({"error": {"message": "boom"}}))
+
+
+@pytest.mark.parametrize("content, text", [
+    (None, None), ("plain", "plain"), ([{"type": "text", "text": "a"}, "b", {"type": "text", "text": "c"}], "abc"),
+])
+def test_one_text_of_for_every_message(content: Any, text: str | None) -> None:
+    assert text_of(content) == text
+    with pytest.raises(MessageError, match="image_url"):
+        text_of([{"type": "image_url"}], "messages.0.content")

@@ -18,7 +18,7 @@ from kvagent.eviction import Eviction
 from kvagent.fields import FieldSpec
 from kvagent.memory import Memory, MemoryBlock
 from kvagent.segments import Segment
-from kvagent.openai_shape import ToolSets
+from kvagent.tools.sets import ToolSets
 from kvagent.session import Session
 
 from langchain_kvagent import operations as ops

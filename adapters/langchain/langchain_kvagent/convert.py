@@ -15,7 +15,7 @@ from kvagent.errors import KVAgentError
 from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
 from kvagent.tools.format import HERMES, ToolFormat
-from kvagent.openai_shape import ToolSets
+from kvagent.tools.sets import ToolSets
 from kvagent.segments import Segment
 from kvagent.tools import ToolCall, ToolSet
 from kvagent.tools.choice import ToolChoice, each_tool_once, spent_tools

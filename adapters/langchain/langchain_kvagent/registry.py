@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 from kvagent.engine import Engine
 from kvagent.conversation import Conversation, Cost, Plan
 from kvagent.messages import ChatMessage, is_message_segment
-from kvagent.openai_shape import ToolSets
+from kvagent.tools.sets import ToolSets
 from kvagent.segments import Segment
 from kvagent.sessions import NoRoom, OrphansFirst, SessionTable, TableEntry
 

@@ -35,9 +35,10 @@ from kvagent.scheduler import EngineClosedError
 from kvagent_server import chat, handlers, sessions_api
 from kvagent_server.config import ServerConfig
 from kvagent_server.errors import error_body
+from kvagent_server.front import ChatRequest
 from kvagent_server.gate import Gate
 from kvagent_server.metrics import Metrics
-from kvagent_server.schemas import SESSION_ID, ChatRequest, FieldsSet, MemoryEditIn, SessionCreate, SkillInclude
+from kvagent_server.schemas import SESSION_ID, FieldsSet, MemoryEditIn, SessionCreate, SkillInclude
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import ConfigError, Tenant, Tenants, check_start, load_secret
 

@@ -3,10 +3,10 @@
 A request is read in OpenAI's shape (``kvagent.openai_shape``) and its turn runs on the entry's
 ``kvagent.conversation.Conversation`` (the turn every adapter shares): a client that resends its history has only
 its new messages appended, so the cached prefix, errata and skills stay where they are, and a prompt changed inside
-is edited in place. Everything is checked before the session changes: the model name,
-what the server cannot honour, the tools, tool choice and reply format (``kvagent_server.tools``), and whether
-the prompt fits (413). A client that goes away cancels its generation at the next token, and the turn is rolled
-back.
+is edited in place. Everything is checked before the session changes: the front's checks (``kvagent_server.front``:
+the model name, what the server cannot honour, the limits), the tools, tool choice and reply format
+(``kvagent_server.tools``), and whether the prompt fits (413). A client that goes away cancels its generation at
+the next token, and the turn is rolled back.
 
 Tools: their segments (one compiled skill per tool, cached by the tools' JSON) follow the server's own segments;
 a request whose tool set differs from the previous one's rebuilds the prompt from there (the cached prefix before
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -39,10 +38,10 @@ from kvagent.generation import Generation
 from kvagent.messages import ChatMessage
 from kvagent.openai_shape import StreamedCalls, reply_message
 
-from kvagent_server.errors import InvalidRequest, NotFound, ServerError
-from kvagent_server.schemas import SESSION_ID, ChatRequest
-from kvagent_server.sessions import SESSION, Entry
-from kvagent_server.sessions_api import check_chars
+from kvagent_server import front
+from kvagent_server.errors import ServerError, error_body
+from kvagent_server.front import SESSION, ChatRequest
+from kvagent_server.sessions import Entry
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import Tenant
 from kvagent_server.tools import NO_TOOLS, TurnTools, chat_messages, turn_tools
@@ -70,56 +69,10 @@ class Turn:
         return shape.usage(cost, gen.edits if self.report_edits else None)
 
 
-def session_key(body: ChatRequest, request: Request) -> tuple[str, str | None]:
-    """``(kind, key)`` of the request's session: the ``X-KVAgent-Session`` header names a session made with
-    ``POST /v1/sessions`` (kind ``session``: it must exist); else ``prompt_cache_key``, else ``user`` key a chat
-    session of that kind, made on first use. ``(kind, None)``: a temporary session. The kinds never meet, so a
-    ``POST /v1/sessions`` id can never be the session another client's ``prompt_cache_key`` lands in."""
-    header = request.headers.get("x-kvagent-session")
-    if header is not None:
-        if not re.match(SESSION_ID, header):
-            raise InvalidRequest("the X-KVAgent-Session header names a session made with POST /v1/sessions: 1-128 "
-                                 "letters, digits and . _ : @ -", param="X-KVAgent-Session")
-        return SESSION, header
-    if body.prompt_cache_key:
-        return "prompt_cache_key", body.prompt_cache_key
-    if body.user:
-        return "user", body.user
-    return SESSION, None
-
-
 def check_request(state: ServerState, body: ChatRequest) -> list[ChatMessage]:
-    """The messages as kvagent's, after refusing what this server cannot do (nothing has changed yet): the model,
-    ``n``, logprobs, ``max_tokens`` past the cap, stop strings, message count and a prompt of more characters than
-    the context could ever hold (413, before tokenizing)."""
-    config = state.config
-    if body.model not in state.model_ids:
-        raise NotFound(f"unknown model {body.model!r}: this server runs {state.model_id!r} (GET /v1/models)",
-                       param="model", code="model_not_found")
-    if body.n != 1:
-        raise InvalidRequest(f"n: only 1 choice per request is supported, got {body.n}", param="n")
-    if body.logprobs:
-        raise InvalidRequest("logprobs: not supported by kvagent serve", param="logprobs")
-    for name in ("max_tokens", "max_completion_tokens"):
-        wanted = getattr(body, name)
-        if wanted is not None and wanted > config.max_tokens:
-            raise InvalidRequest(f"{name}: {wanted} is more than this server's cap of {config.max_tokens} "
-                                 "(--max-tokens): ask for fewer", param=name, code="max_tokens_too_large")
-    stops = body.stops()
-    if len(stops) > config.max_stop:
-        raise InvalidRequest(f"stop: at most {config.max_stop} stop strings", param="stop")
-    for i, stop in enumerate(stops):
-        if not 0 < len(stop) <= config.max_stop_chars:
-            raise InvalidRequest(f"stop.{i}: a stop string holds 1-{config.max_stop_chars} characters",
-                                 param=f"stop.{i}")
-    if len(body.messages) > config.max_messages:
-        raise InvalidRequest(f"messages: {len(body.messages)} messages, at most {config.max_messages} "
-                             "(--max-messages)", param="messages")
-    texts = [m.text() or "" for m in body.messages]
-    texts += [c.function.arguments for m in body.messages for c in m.tool_calls or ()]
-    if body.tools:
-        texts.append(json.dumps(body.tools, ensure_ascii=False))
-    check_chars(state, texts, "the prompt")
+    """The messages as kvagent's, after the front's checks (``kvagent_server.front.check``; nothing has changed
+    yet)."""
+    front.check(body, state.config, state.model_ids, state.model_id)
     return chat_messages(body.messages)
 
 
@@ -130,8 +83,8 @@ def fit(state: ServerState, entry: Entry, messages: list[ChatMessage], body: Cha
     session = entry.session
     if session is None:  # pragma: no cover - the request holds an active entry
         raise KVAgentError("chat request on a parked session (internal error)")
-    wanted = body.max_completion_tokens or body.max_tokens or state.config.default_max_tokens
-    plan = entry.conversation.plan(session, messages, wanted, static=entry.static, tools=tools.segments)
+    plan = entry.conversation.plan(session, messages, body.reply_budget(state.config), static=entry.static,
+                                   tools=tools.segments)
     sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                 "stop": body.stops()}
     return Turn(plan, sampling, tools, body.report_edits)
@@ -152,7 +105,7 @@ async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, reques
     messages = check_request(state, body)
     # checked, and compiled on first sight (in the tenant's own cache), before taking the session
     tools = await turn_tools(state.tools(tenant), body, messages if state.config.auto_tools == "once" else None)
-    kind, key = session_key(body, request)
+    kind, key = front.session_key(body, request.headers)
     stack = AsyncExitStack()
     entry = await stack.enter_async_context(state.sessions.use(tenant, key, kind, implicit=kind != SESSION))
     try:
@@ -234,7 +187,7 @@ class _TurnStream(EventSourceResponse):
 
     @staticmethod
     def _error(message: str, kind: str, code: str) -> dict[str, str]:
-        return {"data": json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})}
+        return {"data": json.dumps(error_body(message, kind, None, code))}
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, str]:
         body = {"id": self.ident, "object": "chat.completion.chunk", "created": self.created,

@@ -1,5 +1,9 @@
 """The server's settings (``kvagent serve`` options), validated at the edge; unknown keys are refused.
 
+One concern per class: :class:`EngineSettings` (the local engine and its sessions), :class:`TenancySettings`
+(who may call, quotas, what one request may cost: both modes), :class:`ProxySettings` (``--upstream``);
+:class:`ServerConfig` composes them with the model and the address, as one flat set of fields (the command line's).
+
 Who may call (:mod:`kvagent_server.tenants`): no key at all (one local user: loopback clients and ``Host`` names
 only, and a non-loopback ``host`` is refused at start), one ``api_key`` (one tenant, ``default``), or a ``keys_file``
 of hashed keys mapped to tenants with quotas. What one request may cost is bounded by the ``max_*`` settings, every
@@ -29,18 +33,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class ServerConfig(BaseModel):
-    """How ``kvagent serve`` runs: the model and its KV pool, who may call, where idle sessions park, and the
-    limits on what one request may cost."""
+class EngineSettings(BaseModel):
+    """The local engine (``kvagent serve`` without ``--upstream``): its KV pool, decoding, and where sessions live
+    and park."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = "smollm2-135m"
-    """Registry name or path of a local ``.gguf`` file; also the model id clients send."""
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    n_ctx: int = Field(16384, ge=64)
-    """KV pool shared by every live session (and the longest one session can get)."""
     n_seq_max: int = Field(32, ge=1, le=256)
     """Sessions held live at once; idle ones beyond that are parked."""
     n_threads: int = Field(0, ge=0)
@@ -60,22 +58,6 @@ class ServerConfig(BaseModel):
     user message may not be called again (its result is in the prompt; ``kvagent.tools.choice.spent_tools``). For a
     small tool-trained model that repeats its call after the result (Qwen2.5-Coder-0.5B), so an agent loop ends."""
 
-    # -- who may call -------------------------------------------------------------------------------
-    api_key: SecretStr | None = None
-    """One key for one tenant (``default``): every request but ``GET /health`` needs ``Authorization: Bearer <key>``.
-    An empty key is refused (it is not "no auth")."""
-    keys_file: Path | None = None
-    """A JSON file of tenants, each with the sha256 of its keys and its quotas (``kvagent_server.tenants``)."""
-    allowed_origins: tuple[str, ...] = ()
-    """Browser origins (``https://app.example``) allowed besides the server's own; any other ``Origin`` is refused."""
-    secret_file: Path | None = None
-    """The secret saved sessions are signed with (HMAC-SHA256): read from this file, or created there (32 random
-    bytes, mode 0600) when it does not exist, so snapshots survive restarts. None: a secret per process."""
-    restore_unsigned: Literal["refuse", "text"] = "refuse"
-    """A restore whose signature fails: ``refuse`` (422), or ``text``: its texts are kept without KV and without
-    token ids, tokenized and prefilled again."""
-
-    # -- where sessions live ------------------------------------------------------------------------
     skills_dir: Path | None = None
     """Skill files (``*.yaml``) sessions may include by name; compiled on first use."""
     park_dir: Path | None = None
@@ -88,6 +70,27 @@ class ServerConfig(BaseModel):
     min_free_disk_mb: int = Field(256, ge=0)
     """Parking writes no KV file when the park folder's disk would keep less free space than this: the session
     keeps its segments and is prefilled again."""
+    restore_unsigned: Literal["refuse", "text"] = "refuse"
+    """A restore whose signature fails: ``refuse`` (422), or ``text``: its texts are kept without KV and without
+    token ids, tokenized and prefilled again."""
+
+
+class TenancySettings(BaseModel):
+    """Who may call (keys, tenants, origins), each tenant's quotas, and what one request may cost (every limit
+    checked before any tokenizing or state change), in both modes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    api_key: SecretStr | None = None
+    """One key for one tenant (``default``): every request but ``GET /health`` needs ``Authorization: Bearer <key>``.
+    An empty key is refused (it is not "no auth")."""
+    keys_file: Path | None = None
+    """A JSON file of tenants, each with the sha256 of its keys and its quotas (``kvagent_server.tenants``)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins (``https://app.example``) allowed besides the server's own; any other ``Origin`` is refused."""
+    secret_file: Path | None = None
+    """The secret saved sessions are signed with (HMAC-SHA256): read from this file, or created there (32 random
+    bytes, mode 0600) when it does not exist, so snapshots survive restarts. None: a secret per process."""
 
     # -- per tenant (defaults; a keys file may set its own per tenant) --------------------------------
     max_sessions: int = Field(1024, ge=1)
@@ -126,7 +129,31 @@ class ServerConfig(BaseModel):
     retry_after_s: int = Field(1, ge=1)
     """``Retry-After`` of a 503 (every sequence or KV cell busy, nothing idle to park) and of a 429."""
 
-    # -- in front of other engines (``kvagent serve --upstream``, ``kvagent_server.proxy``) ---------------
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("the API key is empty: give a key (or no --api-key at all for a local, loopback-only "
+                             "server)")
+        return key
+
+    @model_validator(mode="after")
+    def _one_way_to_authenticate(self) -> TenancySettings:
+        if self.api_key is not None and self.keys_file is not None:
+            raise ValueError("give either --api-key or --keys, not both (put the key in the keys file as a tenant)")
+        return self
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether callers present keys (``api_key`` or ``keys_file``)."""
+        return self.api_key is not None or self.keys_file is not None
+
+
+class ProxySettings(BaseModel):
+    """In front of other engines (``kvagent serve --upstream``, ``kvagent_server.proxy``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     upstream: tuple[str, ...] = ()
     """OpenAI-compatible engines (``http://host:port/v1``) to forward to instead of running ``model`` here; a
     session sticks to one of them. ``model`` then names the model for its tokenizer (the token budget) and for
@@ -157,25 +184,22 @@ class ServerConfig(BaseModel):
             raise ValueError("--upstream: the same engine is given twice")
         return tuple(out)
 
-    @field_validator("api_key")
-    @classmethod
-    def _key_not_empty(cls, key: SecretStr | None) -> SecretStr | None:
-        if key is not None and not key.get_secret_value().strip():
-            raise ValueError("the API key is empty: give a key (or no --api-key at all for a local, loopback-only "
-                             "server)")
-        return key
 
-    @model_validator(mode="after")
-    def _one_way_to_authenticate(self) -> ServerConfig:
-        if self.api_key is not None and self.keys_file is not None:
-            raise ValueError("give either --api-key or --keys, not both (put the key in the keys file as a tenant)")
-        return self
+class ServerConfig(EngineSettings, TenancySettings, ProxySettings):
+    """How ``kvagent serve`` runs: the model, where it listens, and the settings of each concern (the local engine,
+    tenancy and limits, the proxy), one flat set of fields as the command line gives them."""
 
-    @property
-    def authenticated(self) -> bool:
-        """Whether callers present keys (``api_key`` or ``keys_file``)."""
-        return self.api_key is not None or self.keys_file is not None
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "smollm2-135m"
+    """Registry name or path of a local ``.gguf`` file; also the model id clients send."""
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    n_ctx: int = Field(16384, ge=64)
+    """KV pool shared by every live session (and the longest one session can get); with ``upstream``, the
+    engines' context."""
 
     @property
     def max_prompt_chars(self) -> int:
+        """Characters no prompt may exceed: more could never fit ``n_ctx`` (refused before tokenizing)."""
         return self.n_ctx * self.max_chars_per_token

@@ -27,6 +27,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
+from kvagent import openai_shape as shape
 from kvagent.edits.implicit import field_name
 from kvagent.segments import DEFAULT_ERRATUM_TEMPLATE, render_template
 
@@ -35,15 +36,9 @@ Kind = Literal["new", "append", "inplace", "errata", "rebuild"]
 REMOVED = "(removed)"
 
 
-def text_of(content: Any) -> str:
-    """A message's content as text: a string as it is, a list of parts as their texts joined, None as ""."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-    return str(content)
+def _text(message: Mapping[str, Any]) -> str:
+    """A message's text (``kvagent.openai_shape.text_of``), "" for none: a resent reply's null and "" are alike."""
+    return shape.text_of(message.get("content")) or ""
 
 
 def key(message: Mapping[str, Any]) -> str:
@@ -53,7 +48,7 @@ def key(message: Mapping[str, Any]) -> str:
     ignores those differences so a resent reply matches the one the engine gave."""
     calls = [(c.get("id"), (c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
              for c in message.get("tool_calls") or () if isinstance(c, Mapping)]
-    return json.dumps([message.get("role"), text_of(message.get("content")), message.get("name"),
+    return json.dumps([message.get("role"), _text(message), message.get("name"),
                        message.get("tool_call_id"), calls], ensure_ascii=False)
 
 
@@ -136,7 +131,7 @@ class Planner:
         cut = layout.where[first]
         if any(e >= cut for e in layout.errata):
             return None
-        if sum(len(text_of(m.get("content"))) for m in layout.sent[cut:]) > self.inplace_tail_chars:
+        if sum(len(_text(m)) for m in layout.sent[cut:]) > self.inplace_tail_chars:
             return None
         tail = [dict(m) for m in messages[first:]]
         after = Layout(new, [*layout.sent[:cut], *tail], [*layout.where[:first], *range(cut, cut + len(tail))],
@@ -161,7 +156,7 @@ class Planner:
                     lines += self._changed_lines(olds[i], messages[j])
             else:
                 lines += [self._line(_first_line(olds[i]), REMOVED) for i in range(i1, i2)]
-                lines += [self._line(f"{messages[j].get('role')} message", text_of(messages[j].get("content")))
+                lines += [self._line(f"{messages[j].get('role')} message", _text(messages[j]))
                           for j in range(j1, j2)]
         tail_start = ops[last][4]
         lines += [self._line(_first_line(olds[i]), REMOVED) for i in range(ops[last][2], len(old))]
@@ -176,8 +171,8 @@ class Planner:
         return Forward(sent, Layout(new, sent, where, errata), "errata", tuple(lines))
 
     def _changed_lines(self, before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
-        a = text_of(before.get("content")).split("\n")
-        b = text_of(after.get("content")).split("\n")
+        a = _text(before).split("\n")
+        b = _text(after).split("\n")
         out: list[str] = []
         for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
             if op == "equal":
@@ -208,7 +203,7 @@ def _value(before: str, after: str) -> str:
 
 
 def _first_line(message: Mapping[str, Any]) -> str:
-    text = text_of(message.get("content")).strip()
+    text = _text(message).strip()
     return text.split("\n", 1)[0] if text else f"{message.get('role')} message"
 
 
@@ -221,4 +216,4 @@ def _messages_of(layout: Layout) -> list[Message]:
     return out
 
 
-__all__ = ["Forward", "Layout", "Planner", "key", "text_of"]
+__all__ = ["Forward", "Layout", "Planner", "key"]

@@ -61,12 +61,13 @@ class Metrics:
         """The proxy's sessions (layouts held), read at scrape time."""
         self.sessions.labels("layouts").set_function(held)
 
-    def count_generation(self, reused: int, computed: int, transplanted: int, generated: int, ttft_s: float) -> None:
+    def count_generation(self, reused: int, computed: int, transplanted: int, generated: int,
+                         ttft_s: float | None = None) -> None:
         self.prompt_tokens.labels("reused").inc(reused)
         self.prompt_tokens.labels("computed").inc(computed)
         self.prompt_tokens.labels("transplanted").inc(transplanted)
         self.generated_tokens.inc(generated)
-        if generated:
+        if generated and ttft_s is not None:
             self.ttft.observe(ttft_s)
 
     def render(self) -> bytes:

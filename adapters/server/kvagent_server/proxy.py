@@ -3,8 +3,9 @@ llama.cpp's ``llama-server``, any OpenAI-compatible server), forwarding each ses
 
 What a request goes through (every refusal an OpenAI-shaped error naming the fix; nothing changes before it):
 
-1. The gate (:mod:`kvagent_server.gate`): who asks, body size and shape. Then the body (:class:`ProxyRequest`):
-   OpenAI's chat fields; one this proxy cannot pass on faithfully is refused, never dropped.
+1. The gate (:mod:`kvagent_server.gate`): who asks, body size and shape. Then the front (:mod:`kvagent_server.front`,
+   as the local route's): the body (``ProxyRequest``: OpenAI's chat fields; one this proxy cannot pass on
+   faithfully is refused, never dropped), the model, the limits and the session key.
 2. The session: ``X-KVAgent-Session``, else ``prompt_cache_key``, else ``user`` keys it, per tenant (another
    tenant's key never reaches it). Its requests run one at a time, in arrival order.
 3. The layout (:mod:`kvagent_server.layout`): the previous request byte for byte, errata for what the client changed
@@ -15,7 +16,8 @@ What a request goes through (every refusal an OpenAI-shaped error naming the fix
 4. The engine: a replica picked by rendezvous hashing of the session, so a session sticks to one replica and one
    prefix cache. The request carries ``prompt_cache_key`` (the session, keyed per tenant) and vLLM's
    ``cache_salt`` (one per tenant: tenants never share cache blocks, so one cannot time another's prompts).
-   A stream is passed through as the engine writes it; tools and tool calls in the engine's own format.
+   A stream is passed through event by event as the engine writes it; tools and tool calls in the engine's own
+   format. Its reply is read back by ``kvagent.openai_shape`` (``reply_of``, ``ReplyStream``).
 5. The reply joins the layout only once it is complete. An engine that fails, or stops mid-stream, leaves the
    session as it was: the client gets an error (an ``error`` event in a stream) and may resend; nothing is
    retried behind its back, so no request runs twice.
@@ -30,65 +32,31 @@ import hashlib
 import hmac
 import json
 import logging
-import re
 import threading
 import weakref
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 import httpx
 from cachetools import FIFOCache, cachedmethod
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from httpx_sse import EventSource, ServerSentEvent
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvagent_server import handlers
+from kvagent import openai_shape as shape
+
+from kvagent_server import front, handlers
 from kvagent_server.config import ServerConfig
-from kvagent_server.errors import Busy, InvalidRequest, NotFound, ServerError, TooLarge, error_body
+from kvagent_server.errors import Busy, InvalidRequest, ServerError, TooLarge, error_body
+from kvagent_server.front import ProxyRequest
 from kvagent_server.gate import Gate
 from kvagent_server.layout import Forward, Layout, Message, Planner
 from kvagent_server.metrics import Metrics
-from kvagent_server.schemas import SESSION_ID, MessageIn, ResponseFormat, StreamOptions
+from kvagent_server.schemas import MessageIn
 from kvagent_server.tenants import Tenant, Tenants, check_start, load_secret
 from kvagent_server.tokens import TokenCounter, counter_for
 
 log = logging.getLogger(__name__)
-
-
-class ProxyRequest(BaseModel):
-    """``POST /v1/chat/completions`` in front of an engine: OpenAI's fields, passed on as given (sampling defaults are
-    the engine's). ``n`` > 1 and ``logprobs`` are refused: the layout records one reply per turn."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(max_length=512)
-    messages: list[MessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=1_000_000)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    user: str | None = Field(None, max_length=256)
-    prompt_cache_key: str | None = Field(None, max_length=256)
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    # accepted as OpenAI's clients send them; not passed on
-    metadata: dict[str, str] | None = None
-    store: Literal[False] | None = None
-    service_tier: Literal["auto", "default"] | None = None
-    safety_identifier: str | None = Field(None, max_length=256)
-
-    def reply_budget(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
 
 
 SLACK = 8
@@ -242,21 +210,11 @@ class Proxy:
     # -- the request --------------------------------------------------------------------------------
     async def complete(self, tenant: Tenant, body: ProxyRequest, request: Request) -> Response:
         config = self.config
-        if body.model not in {config.model, self.model}:
-            raise NotFound(f"unknown model {body.model!r}: this server serves {config.model!r} (GET /v1/models)",
-                           param="model", code="model_not_found")
-        budget = body.reply_budget(config.default_max_tokens)
-        if budget > config.max_tokens:
-            raise InvalidRequest(f"max_tokens: {budget} is more than this server's cap of {config.max_tokens} "
-                                 "(--max-tokens): ask for fewer", param="max_tokens", code="max_tokens_too_large")
-        if len(body.messages) > config.max_messages:
-            raise TooLarge(f"{len(body.messages)} messages: at most {config.max_messages} (--max-messages)",
-                           param="messages")
+        front.check(body, config, {config.model, self.model}, config.model)
+        budget = body.reply_budget(config)
         client = [message_out(m) for m in body.messages]
-        if sum(len(json.dumps(m.get("content"))) for m in client) > config.max_prompt_chars:
-            raise TooLarge(f"the messages hold more characters than a context of {self.n_ctx} tokens can: shorten "
-                           "them", param="messages", code="context_length_exceeded")
-        key = _session_key(body, request)
+        kind, name = front.session_key(body, request.headers)
+        key = f"{kind}:{name}" if name is not None else None
         hold = _Hold(self.sessions.lock(tenant, key) if key is not None else asyncio.Lock())
         try:
             await asyncio.wait_for(hold.lock.acquire(), config.upstream_timeout_s)
@@ -287,12 +245,12 @@ class Proxy:
                 handed = True
                 return response
             data = await self._post(upstream, upstream_body)
-            reply = _reply(data)
+            reply = shape.reply_of(data)
             if key is not None and reply is not None:
-                forward.layout.commit(reply, _used(data.get("usage")), tools)
+                forward.layout.commit(reply, shape.used(data.get("usage")).total, tools)
                 self.sessions.put(tenant, key, forward.layout)
             data["model"] = body.model
-            self._count_usage(data.get("usage"))
+            front.count_usage(self.metrics, data.get("usage"))
             return JSONResponse(data, headers=headers)
         finally:
             if not handed:
@@ -345,26 +303,18 @@ class Proxy:
             raise _refusal(response.status_code, content, self.config.retry_after_s)
 
         async def events() -> AsyncIterator[bytes]:
-            reply = _Accumulated()
-            done = False
+            reply = shape.ReplyStream()
             try:
-                async for line in response.aiter_lines():
-                    if not line:
-                        continue
-                    yield (line + "\n\n").encode()
-                    if line.startswith("data:"):
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            done = True
-                        else:
-                            reply.add(data)
-                if not done and reply.finish is None:
+                async for event in EventSource(response).aiter_sse():
+                    yield _sse(event)
+                    reply.add(event.data)
+                if not reply.done and reply.finish is None:
                     raise httpx.RemoteProtocolError("the stream ended without a finish")
                 if key is not None and reply.finish is not None:
-                    forward.layout.commit(reply.message(), _used(reply.usage), tools)
+                    forward.layout.commit(reply.message(), shape.used(reply.usage).total, tools)
                     self.sessions.put(tenant, key, forward.layout)
-                self._count_usage(reply.usage)
-            except httpx.HTTPError:
+                front.count_usage(self.metrics, reply.usage)
+            except (httpx.HTTPError, shape.EngineStreamError):
                 self.metrics.upstream_errors.labels("interrupted").inc()
                 log.warning("the engine stopped mid-stream; the turn was not recorded")
                 error = error_body("the engine stopped mid-reply: this turn was not recorded, resend the request",
@@ -377,16 +327,6 @@ class Proxy:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})
-
-    def _count_usage(self, usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-        prompt = int(usage.get("prompt_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-        self.metrics.prompt_tokens.labels("reused").inc(min(cached, prompt))
-        self.metrics.prompt_tokens.labels("computed").inc(max(prompt - cached, 0))
-        self.metrics.generated_tokens.inc(int(usage.get("completion_tokens") or 0))
 
     async def aclose(self) -> None:
         for upstream in self.upstreams:
@@ -408,86 +348,16 @@ class _Hold:
             self.lock.release()
 
 
-class _Accumulated:
-    """A streamed reply put back together: its text, its calls (by index) and its finish reason."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.finish: str | None = None
-        self.usage: Any = None
-
-    def add(self, data: str) -> None:
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return
-        if not isinstance(chunk, dict):
-            return
-        if "error" in chunk:
-            raise httpx.RemoteProtocolError("the engine sent an error event")
-        self.usage = chunk.get("usage") or self.usage
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.text.append(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                slot = self.calls.setdefault(int(call.get("index", 0)), {"id": None, "name": "", "arguments": ""})
-                slot["id"] = call.get("id") or slot["id"]
-                function = call.get("function") or {}
-                slot["name"] += function.get("name") or ""
-                slot["arguments"] += function.get("arguments") or ""
-            self.finish = choice.get("finish_reason") or self.finish
-
-    def message(self) -> Message:
-        out: Message = {"role": "assistant", "content": "".join(self.text) or None}
-        if self.calls:
-            out["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"],
-                                                                                   "arguments": c["arguments"]}}
-                                 for _, c in sorted(self.calls.items())]
-        return out
-
-
-def _reply(data: dict[str, Any]) -> Message | None:
-    """The reply of a non-streamed answer, as the layout keeps it; None for an answer without one."""
-    try:
-        message = data["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError):
-        return None
-    out: Message = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
-                              "function": {"name": (c.get("function") or {}).get("name"),
-                                           "arguments": (c.get("function") or {}).get("arguments")}}
-                             for c in message["tool_calls"]]
-    return out
-
-
 def _extends(forward: Forward, previous: Layout | None) -> bool:
     """Whether ``forward`` is the previous request and its reply plus messages, with the engine's count of those."""
     return forward.kind in ("append", "errata") and previous is not None and previous.tokens is not None
 
 
-def _used(usage: Any) -> int | None:
-    """Prompt and reply tokens of an answer's ``usage``; None where it lacks them."""
-    if not isinstance(usage, dict):
-        return None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return prompt + completion if isinstance(prompt, int) and isinstance(completion, int) else None
-
-
-def _session_key(body: ProxyRequest, request: Request) -> str | None:
-    header = request.headers.get("x-kvagent-session")
-    if header is not None:
-        if not re.match(SESSION_ID, header):
-            raise InvalidRequest("the X-KVAgent-Session header: 1-128 letters, digits and . _ : @ -",
-                                 param="X-KVAgent-Session")
-        return f"session:{header}"
-    if body.prompt_cache_key:
-        return f"prompt_cache_key:{body.prompt_cache_key}"
-    if body.user:
-        return f"user:{body.user}"
-    return None
+def _sse(event: ServerSentEvent) -> bytes:
+    """An engine's event as it wrote it (its name where it gave one, its data line by line)."""
+    lines = [f"event: {event.event}"] if event.event != "message" else []
+    lines += [f"data: {line}" for line in event.data.split("\n")]
+    return ("\n".join(lines) + "\n\n").encode()
 
 
 def _unreachable(exc: httpx.HTTPError, retry: int) -> UpstreamFailed:
@@ -569,5 +439,5 @@ def create_proxy_app(config: ServerConfig, *, counter: TokenCounter | None = Non
     return app
 
 
-__all__ = ["Proxy", "ProxyRequest", "UpstreamFailed", "create_proxy_app"]
+__all__ = ["Proxy", "UpstreamFailed", "create_proxy_app"]
 

@@ -1,11 +1,6 @@
-"""Request bodies (pydantic): what ``/v1/chat/completions`` and ``/v1/sessions`` accept.
-
-Chat requests follow OpenAI's chat completions API, tool calling and structured output included. An option the
-server cannot honour is refused with 422 naming it, never ignored: ``n > 1``, ``logprobs``, ``logit_bias``,
-``functions`` / ``function_call``, penalties other than 0, audio, ... (any field this model does not declare).
-A few fields that change nothing here are accepted as OpenAI's clients send them (``metadata``, ``store: false``,
-``service_tier: auto``, ``safety_identifier``). Limits that depend on the server's settings (``max_tokens``, stop
-strings, messages, fields) are checked by the routes, naming the setting.
+"""Request bodies (pydantic): the parts of a chat request (messages, tool calls, ``response_format``; the request
+itself is ``kvagent_server.front``'s) and what ``/v1/sessions`` accepts. Limits that depend on the server's
+settings (fields, characters) are checked by the routes, naming the setting.
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from kvagent import openai_shape as shape
 from kvagent.fields import FieldSpec
 
 SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
@@ -69,9 +65,8 @@ class MessageIn(BaseModel):
     """As OpenAI's clients echo it back (ignored)."""
 
     def text(self) -> str | None:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content
+        """The content as text (``kvagent.openai_shape.text_of``)."""
+        return shape.text_of(self.model_dump(include={"content"})["content"])
 
 
 class StreamOptions(BaseModel):
@@ -99,63 +94,6 @@ class ResponseFormat(BaseModel):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaIn | None = None
-
-
-class ChatRequest(BaseModel):
-    """``POST /v1/chat/completions``. Sampling is greedy unless ``temperature`` > 0 (kvagent's default,
-    not OpenAI's 1.0). Session key: ``prompt_cache_key``, else ``user`` (or the ``X-KVAgent-Session``
-    header, which wins).
-
-    Tools: ``tools`` are OpenAI function tools (``{"type": "function", "function": {"name", "description",
-    "parameters"}}``; at most 128), checked before anything runs (a bad name, a duplicate, a schema the grammar
-    cannot express: 422 naming it). ``tool_choice``: ``auto`` (default with tools: text or a call), ``none``,
-    ``required`` or ``{"type": "function", "function": {"name": ...}}``. A turn that calls is decoded under a
-    grammar, so its calls always parse and follow the tools' schemas. ``parallel_tool_calls``: absent or false,
-    **one call per turn** (kvagent's default; OpenAI's is true): on the small models this server runs, a grammar
-    that allows another call makes them repeat the same call until ``max_tokens``; send true to allow several.
-    ``response_format``: ``text``, ``json_object`` or ``json_schema`` (the reply is held to the schema)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(max_length=512)
-    messages: list[MessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1_000_000)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    """A non-negative seed (llama.cpp's ``-1`` for "random" is refused: leave ``seed`` out for fresh entropy)."""
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    user: str | None = Field(None, max_length=256)
-    prompt_cache_key: str | None = Field(None, max_length=256)
-    report_edits: bool = False
-    """kvagent's extension (send it in the openai client's ``extra_body``): ``usage.kvagent_edits`` lists what the
-    changes of the resent prompt became (``replace`` / ``delete`` / ``insert`` in place, or ``fallback``)."""
-    tools: list[Any] | None = None
-    """Checked by the server (``kvagent_server.tools``), so that a refusal names the tool and the fix."""
-    tool_choice: Any = None
-    """Checked by the server against ``tools`` (an unknown name is a 422 naming the bound ones)."""
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
-    logprobs: bool | None = None
-    presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
-    """Only 0 (no penalty): kvagent's sampler has none."""
-    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
-    """Only 0 (no penalty)."""
-    # accepted as OpenAI's clients send them; they change nothing here
-    metadata: dict[str, str] | None = None
-    store: Literal[False] | None = None
-    service_tier: Literal["auto", "default"] | None = None
-    safety_identifier: str | None = Field(None, max_length=256)
-
-    def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class EvictionIn(BaseModel):

@@ -47,12 +47,12 @@ from kvagent.session import Session
 from kvagent.sessions import LRU, NoRoom, SessionTable, TableEntry
 
 from kvagent_server.errors import Busy, Conflict, NotFound, Quota
+from kvagent_server.front import SESSION  # made by POST /v1/sessions or a restore
 from kvagent_server.metrics import Metrics
 from kvagent_server.tenants import Tenant
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SESSION = "session"  # made by POST /v1/sessions or a restore
 CHAT_KINDS = ("prompt_cache_key", "user")  # keyed by chat requests, made on first use
 KINDS = (SESSION, *CHAT_KINDS)
 _TEMPORARY = "~temporary"  # requests without a session key: one entry each, closed after the request

@@ -32,7 +32,8 @@ from kvagent.segments import Segment, SegmentKind, field_values, segment_from_di
 from kvagent.sessions import Snapshot, SnapshotSignatureError, sign, unsign
 from kvagent.sessions.snapshot import signed_payload
 
-from kvagent_server.errors import InvalidRequest, NotFound, TooLarge
+from kvagent_server.errors import InvalidRequest, NotFound
+from kvagent_server.front import check_chars
 from kvagent_server.schemas import FieldsSet, MemoryEditIn, SessionCreate
 from kvagent_server.sessions import SESSION, Entry, SessionOptions
 from kvagent_server.state import ServerState
@@ -72,15 +73,6 @@ def check_specs(state: ServerState, specs: Sequence[FieldSpec], where: str = "fi
         if len(spec.template) > state.config.max_field_chars:
             raise InvalidRequest(f"{where}.{i}.template: at most {state.config.max_field_chars} characters",
                                  param=f"{where}.{i}.template")
-
-
-def check_chars(state: ServerState, texts: Sequence[str], what: str) -> None:
-    """413 before tokenizing when ``texts`` hold more characters than the context could ever hold."""
-    n, limit = sum(len(t) for t in texts), state.config.max_prompt_chars
-    if n > limit:
-        raise TooLarge(f"{what} holds {n} characters, more than a context of {state.config.n_ctx} tokens could ever "
-                       f"hold ({limit}): shorten it (nothing was changed)", param="messages",
-                       code="context_length_exceeded")
 
 
 async def tokens_of(state: ServerState, tenant: Tenant, segments: Sequence[Segment]) -> int:
@@ -128,7 +120,7 @@ async def create(state: ServerState, tenant: Tenant, body: SessionCreate, key: s
         raise InvalidRequest(f"skills.{i}: unknown skill {name!r}; this server has "
                              f"{', '.join(sorted(state.skills)) or 'none (start it with --skills DIR)'}",
                              param=f"skills.{i}")
-    check_chars(state, [body.policy or "", *body.memory, *(str(s.initial) + s.template for s in specs)],
+    check_chars(state.config, [body.policy or "", *body.memory, *(str(s.initial) + s.template for s in specs)],
                 "the session's prompt")
     static = ([Segment.policy(body.policy)] if body.policy else []) + [s.segment() for s in specs] \
         + [Segment.memory(text) for text in body.memory]
@@ -401,7 +393,7 @@ def check_restored(state: ServerState, snapshot: Snapshot, options: SessionOptio
     characters, messages."""
     check_specs(state, list(options.fields), "fields")
     texts = [s.text for s in snapshot.segments]
-    check_chars(state, texts, "the saved session's prompt")
+    check_chars(state.config, texts, "the saved session's prompt")
     if len(snapshot.segments) > state.config.max_messages * 2 or len(snapshot.messages) > state.config.max_messages:
         raise InvalidRequest(f"the saved session holds more than {state.config.max_messages} messages (--max-messages)",
                              param="body")

@@ -4,7 +4,7 @@ What a request asks (``tools``, ``tool_choice``, ``parallel_tool_calls``, ``resp
 any session changes, each refusal a 422 naming the field and the fix (:func:`turn_tools`). The tools become a
 ``kvagent.tools.ToolSet`` and the segments that describe them (``Engine.tool_segments``: one SKILL segment per
 tool, compiled once per model on the engine's worker, then transplanted). A client resends its tools with every
-request, so :class:`ToolCache` (``kvagent.openai_shape.ToolSets``, awaited) keeps both by the tools' JSON: a tool
+request, so :class:`ToolCache` (``kvagent.tools.sets.ToolSets``, awaited) keeps both by the tools' JSON: a tool
 set seen before costs a dictionary lookup.
 
 Messages, replies and streamed call deltas are in OpenAI's shape in the core (``kvagent.openai_shape``); here its
@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 from kvagent import openai_shape as shape
 from kvagent.errors import ToolChoiceError, ToolSpecError
 from kvagent.messages import ChatMessage
-from kvagent.openai_shape import ToolSets
+from kvagent.tools.sets import ToolSets
 from kvagent.segments import Segment
 from kvagent.tools import ToolSet
 
 from kvagent_server.errors import InvalidRequest
-from kvagent_server.schemas import ChatRequest, MessageIn, ResponseFormat
+from kvagent_server.front import ChatRequest
+from kvagent_server.schemas import MessageIn, ResponseFormat
 
 if TYPE_CHECKING:
     from kvagent.engine import Engine
@@ -55,7 +56,7 @@ NO_TOOLS = TurnTools()
 
 
 class ToolCache(ToolSets):
-    """:class:`~kvagent.openai_shape.ToolSets` for the event loop: a miss is built in a thread, so the loop keeps
+    """:class:`~kvagent.tools.sets.ToolSets` for the event loop: a miss is built in a thread, so the loop keeps
     serving, and concurrent requests with the same new tools share that one build."""
 
     def __init__(self, engine: Engine, limit: int = 64, *, scope: str = "", library: Any = None) -> None:
