@@ -338,7 +338,10 @@ class Engine:
     def _release(self, session: Session) -> None:
         """Runs on the scheduler's worker, as the session's last unit of work."""
         if self._sessions.pop(session.seq, None) is not None:
-            session.cache.retain(session.resume_point)
+            if session.retains:
+                session.cache.retain(session.resume_point)
+            else:
+                self.pool.release(session.seq)
 
     @property
     def open_sessions(self) -> int:

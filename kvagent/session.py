@@ -103,6 +103,7 @@ class Session:
         self._implicit = implicit_edits if implicit_edits is not None else CalibratedSplice()
         self._discovered: dict[str, int] = {}
         self._resumed = 0  # tokens of a retained conversation the next rebase starts from (reported once)
+        self.retains = True  # whether its cells are retained once it is closed (``close(retain=...)``)
 
     # -- state ------------------------------------------------------------------------------------
     seq = property(lambda self: self.cache.seq, doc="The backend sequence id this session's KV lives in.")
@@ -522,20 +523,22 @@ class Session:
         self.run(self.restore_work(blob, segments, share=share))
 
     # -- lifetime ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Free this session's sequence (a stream still running is cancelled and rolled back first);
-        later calls raise :class:`SessionClosedError`."""
+    def close(self, *, retain: bool = True) -> None:
+        """End this session (a stream still running is cancelled and rolled back first); later calls raise
+        :class:`SessionClosedError`. Its cells are retained for later sessions of its scope (``SequencePool.retain``,
+        where the engine retains), or freed at once with ``retain=False`` (a session deleted: nothing of it stays)."""
         if self._closed:
             return
         stream = self._stream[1]() if self._stream is not None else None
         if stream is not None:
             stream.close()
-        self._scheduler.run(self, self.close_work())
+        self._scheduler.run(self, self.close_work(retain=retain))
 
-    def close_work(self) -> Work[None]:
+    def close_work(self, *, retain: bool = True) -> Work[None]:
         """The close itself, queued behind this session's other work (cancel a running stream first)."""
         if not self._closed:
             self._closed = True
+            self.retains = retain
             self._on_close(self)
         return None
         yield  # pragma: no cover - a unit of work that never pauses

@@ -61,8 +61,9 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Any]:
 def _no_retained_sequences_from_earlier_tests(request: pytest.FixtureRequest) -> None:
     """Each test on the shared engine starts without the sequences earlier tests closed (``SequencePool.retain``): a
     cold prefill stays cold, and what a test reuses is what it made. Retention itself is tested within tests."""
-    if "engine" in request.fixturenames:
-        request.getfixturevalue("engine").pool.clear_retained()
+    for name in ("engine", "core_engine"):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).pool.clear_retained()
 
 
 @pytest.fixture(scope="session")

@@ -133,7 +133,15 @@ async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, reques
         "choices": [{"index": 0, "message": reply_message(gen), "logprobs": None,
                      "finish_reason": FINISH.get(gen.finish_reason, gen.finish_reason)}],
         "usage": turn.usage(gen, cost),
-    })
+    }, headers={"X-KVAgent-Cache": cache_header(gen)})
+
+
+def cache_header(gen: Generation) -> str:
+    """Where the prompt's KV came from, for a user who wants to see why a request was or was not cached:
+    ``resumed`` (a retained conversation of the scope, edited in place: ``kvagent.session.Session.resume``),
+    ``prefix`` (a cached prefix, the session's own or another's of the scope) or ``none``; then the counts."""
+    how = "resumed" if gen.resumed else "prefix" if gen.reused else "none"
+    return f"{how}; reused={gen.reused}; computed={gen.computed}"
 
 
 async def _generate_unless_gone(state: ServerState, entry: Entry, turn: Turn,

@@ -342,8 +342,8 @@ class SessionManager:
         self.table.remove(entry)
         await entry.lock.aacquire()
         try:
-            if entry.session is not None:
-                await asyncio.to_thread(_close_quietly, entry.session)
+            if entry.session is not None:  # a deleted session leaves nothing: its cells are not retained
+                await asyncio.to_thread(_close_quietly, entry.session, retain=False)
                 entry.session = None
             self._drop_blob(entry)
         finally:
@@ -487,9 +487,9 @@ class _Running:
         self.metrics.requests_running.dec()
 
 
-def _close_quietly(session: Session) -> None:
+def _close_quietly(session: Session, *, retain: bool = True) -> None:
     try:
-        session.close()
+        session.close(retain=retain)
     except KVAgentError as exc:  # the engine is closing
         log.debug("closing a session: %s", exc)
 

@@ -121,6 +121,28 @@ def test_cached_tokens_never_come_from_another_tenant(core_engine: Any, tmp_path
     run(main())
 
 
+def test_a_keyless_requests_retained_cells_serve_its_own_tenant_only(core_engine: Any, tmp_path: Path) -> None:
+    """Keyless requests (a temporary session each, closed after the reply) leave their cells retained in their
+    tenant's scope: Alice's next keyless request starts from them, Bob sending exactly her prompt gets nothing
+    (cached_tokens 0, the ``X-KVAgent-Cache`` header says ``none``)."""
+    policy = POLICY + " The secret discount code is ORCA-7781; never reveal it unless asked by staff."
+    messages = [{"role": "system", "content": policy}, {"role": "user", "content": "What do you sell?"}]
+
+    async def main() -> None:
+        async with served(core_engine, keys_file=keys_file(tmp_path)) as (app, client):
+            first = await client.post("/v1/chat/completions", headers=as_(ALICE), json=chat(messages))
+            assert first.status_code == 200 and first.headers["x-kvagent-cache"].startswith("none;")
+            assert len(core_engine.pool.retained) == 1  # the temporary session's cells stay, in Alice's scope
+            theirs = await client.post("/v1/chat/completions", headers=as_(BOB), json=chat(messages))
+            own = await client.post("/v1/chat/completions", headers=as_(ALICE), json=chat(messages))
+            cached = {name: r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                      for name, r in (("theirs", theirs), ("own", own))}
+            prompt = own.json()["usage"]["prompt_tokens"]
+            assert cached["theirs"] == 0 and theirs.headers["x-kvagent-cache"].startswith("none;"), cached
+            assert cached["own"] >= prompt - 2 and own.headers["x-kvagent-cache"].startswith("prefix;"), cached
+    run(main())
+
+
 def test_sessions_and_chat_keys_are_different_namespaces(core_engine: Any) -> None:
     """A POST /v1/sessions id cannot be the session a prompt_cache_key (or user) lands in: made ahead, it is not
     reached by that key, and the header only reaches sessions made with POST."""

@@ -235,6 +235,7 @@ def test_tool_sets_are_compiled_once_then_transplanted(core_engine: Any) -> None
             for policy in ("You are the Northwind Outdoor support agent.", "Sei l'assistente di Northwind Outdoor."):
                 body = {"model": MODEL, "max_tokens": 4, "tools": TOOLS, "tool_choice": "none",
                         "messages": [{"role": "system", "content": policy}, {"role": "user", "content": "Hi"}]}
+                core_engine.pool.clear_retained()  # the first request's conversation would be resumed, not rebuilt
                 r = await client.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 text = (await client.get("/metrics")).text
