@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
 
@@ -24,9 +25,10 @@ from kvagent.chat_format import BUILTIN_FORMATS, ChatFormat
 from kvagent.errors import ChatTemplateError, KVAgentError
 from kvagent.eviction import Eviction, Evictor
 from kvagent.kv.pool import SequencePool
+from kvagent.kv.tiers import tiers
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.work import Work
-from kvagent.models import DEFAULT_MODEL, ModelRef, resolve_model
+from kvagent.models import DEFAULT_MODEL, ModelRef, cache_dir, resolve_model
 from kvagent.scheduler import Scheduler
 from kvagent.segments import Renderer, Segment, SegmentKind
 from kvagent.session import Session
@@ -80,6 +82,11 @@ class EngineSettings(BaseModel):
     """Keep a closed session's cells for later sessions of its scope (its prefix, or its whole conversation resumed
     and edited: ``SequencePool.retain``, ``Session.resume``), given back least recently used first when a
     sequence or KV room is wanted. False: a closed session's cells are freed at once."""
+    cache_ram_mb: int = Field(256, ge=0)
+    """Host memory (MiB) for retained prefixes given back to the KV pool (``kvagent.kv.tiers``): a later session
+    restores one instead of computing it. 0: none."""
+    cache_disk_mb: int = Field(0, ge=0)
+    """Disk (MiB) below the host-memory tier, in a private folder of ``cache_dir()`` removed at ``close``. 0: none."""
     swa_full: bool = True
     """Keep full-size caches for sliding-window layers so sequence operations stay exact."""
     capture: Literal["none", "native", "python"] = "none"
@@ -101,7 +108,8 @@ class EngineSettings(BaseModel):
     def backend_config(self) -> BackendConfig:
         """The backend's settings, ``n_gpu_layers`` (:func:`auto_gpu_layers`) and ``flash_attn``
         (:func:`auto_flash_attn`) resolved when left unset."""
-        config = self.model_dump(exclude={"model", "backend", "prefill_chunk", "prefill_chunk_alone", "retain"})
+        config = self.model_dump(exclude={"model", "backend", "prefill_chunk", "prefill_chunk_alone", "retain",
+                                           "cache_ram_mb", "cache_disk_mb"})
         if config["n_gpu_layers"] is None:
             config["n_gpu_layers"] = auto_gpu_layers(self.backend)
         if config["flash_attn"] is None:
@@ -156,7 +164,9 @@ class Engine:
             raise KVAgentError(f"{type(backend).__name__} does not implement kvagent.backends.Backend; "
                                f"pass an instance that does, or a registered name: {', '.join(backend_names())}")
         self.backend: Backend = backend or create_backend(settings.backend, self.model.path, settings.backend_config())
-        self.pool = SequencePool(self.backend, retain=settings.retain)
+        folder = cache_dir() / "tiers" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if settings.cache_disk_mb else None
+        self.tiers = tiers(settings.cache_ram_mb << 20, settings.cache_disk_mb << 20, folder)
+        self.pool = SequencePool(self.backend, retain=settings.retain, tiers=self.tiers, fingerprint=self.fingerprint)
         self.scheduler = Scheduler(self.pool)
         self._alone_chunk = self._preemptible_chunk(settings.prefill_chunk_alone)
         self._sessions: dict[int, Session] = {}
@@ -355,6 +365,8 @@ class Engine:
         self.scheduler.close()
         with self.pool.lock:
             self.backend.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     def __enter__(self) -> Engine:
         return self

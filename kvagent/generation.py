@@ -63,6 +63,7 @@ class Generation:
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the turn made (``finish_reason`` ``tool_calls``)
     edits: tuple[ImplicitEdit, ...] = ()  # what a resent prompt's changes became (``kv.rebase``)
     resumed: int = 0  # tokens of a retained conversation this turn resumed (``Session.resume``; 0: none)
+    restored: int = 0  # prompt tokens restored from a tier of retained prefixes (``kv.tiers``; 0: none)
 
     @property
     def generated(self) -> int:
@@ -277,7 +278,7 @@ class Decoder:
         r = self._report
         return Generation(text, tuple(self.ids), self.finish_reason, r.reused, r.computed, self.ttft,
                           time.perf_counter() - self._start, r.transplanted, self.prefix, self.calls, r.edits,
-                          r.resumed)
+                          r.resumed, r.restored)
 
     def _untagged(self, reply: str, tool_format: Any) -> list[ToolCall]:
         """The bare-JSON calls of a text reply (``ToolFormat.untagged_calls``) whose arguments the tool's schema

@@ -59,11 +59,15 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 @pytest.fixture(autouse=True)
 def _no_retained_sequences_from_earlier_tests(request: pytest.FixtureRequest) -> None:
-    """Each test on the shared engine starts without the sequences earlier tests closed (``SequencePool.retain``): a
-    cold prefill stays cold, and what a test reuses is what it made. Retention itself is tested within tests."""
+    """Each test on the shared engine starts without the sequences earlier tests closed (``SequencePool.retain``) and
+    without the prefixes its tiers stored: a cold prefill stays cold, and what a test reuses is what it made.
+    Retention itself is tested within tests."""
     for name in ("engine", "core_engine"):
         if name in request.fixturenames:
-            request.getfixturevalue(name).pool.clear_retained()
+            engine = request.getfixturevalue(name)
+            engine.pool.clear_retained()
+            if engine.tiers is not None:
+                engine.tiers.clear()
 
 
 @pytest.fixture(scope="session")

@@ -30,9 +30,13 @@ from kvagent.backends.base import Backend, RopeLayout
 from kvagent.errors import KVAgentError
 from kvagent.kv.prefix import PrefixIndex
 from kvagent.kv.rotate import MoveCollision, shift_saved
+from kvagent.kv.tiers import Tier
+from kvagent.kvblob import KVBlob
 
 log = logging.getLogger(__name__)
 _UNSET = object()
+TIER_MIN_TOKENS = 64
+"""A retained prefix shorter than this is not stored in the tiers (computing it again costs about as much)."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,14 @@ class SequencePool:
 
     ``retain``: whether :meth:`retain` keeps a closed sequence's cells (False: it releases them)."""
 
-    def __init__(self, backend: Backend, *, retain: bool = True) -> None:
+    def __init__(self, backend: Backend, *, retain: bool = True, tiers: Tier | None = None,
+                 fingerprint: str = "") -> None:
         self.backend = backend
         self.lock = threading.RLock()
         self.index = PrefixIndex()
         self.retains = retain
+        self.tiers = tiers  # where a retained sequence's clean prefix goes when its cells are given back
+        self.fingerprint = fingerprint  # the model's, in every blob a tier keeps
         self._free = list(range(backend.n_seq_max - 1, -1, -1))
         self._held: set[int] = set()
         self._retained: OrderedDict[int, Retained] = OrderedDict()  # least recently used first
@@ -136,24 +143,40 @@ class SequencePool:
             if seq in self._retained:
                 self._retained.move_to_end(seq)
 
-    def reclaim(self) -> bool:
-        """Empty the least recently used retained sequence and free its id; False when none is retained. Cells it
-        shares with a live sequence stay (they are that sequence's)."""
+    def reclaim(self, *, store: bool = True) -> bool:
+        """Empty the least recently used retained sequence and free its id, its clean prefix saved into the tiers
+        first (``store``, where the pool has tiers); False when none is retained. Cells it shares with a live
+        sequence stay (they are that sequence's)."""
         with self.lock:
             if not self._retained:
                 return False
-            seq, _ = self._retained.popitem(last=False)
+            seq, retained = self._retained.popitem(last=False)
             self._held.add(seq)
+            if store and self.tiers is not None:
+                self._store(seq, retained)
             self.release(seq)
             self.reclaimed += 1
             log.debug("retained seq %d given back", seq)
             return True
 
+    def _store(self, seq: int, retained: Retained) -> None:
+        """Save ``seq``'s clean prefix (what the index offers) into the tiers before its cells go."""
+        n = len(self.index.indexed(seq))
+        if n < TIER_MIN_TOKENS or not self.backend.capabilities.state_save:
+            return
+        try:
+            if self.backend.seq_pos_range(seq)[1] >= n:
+                self.backend.seq_rm(seq, n, -1)
+            blob = KVBlob(self.fingerprint, self.backend.format, retained.tokens[:n], self.backend.seq_save(seq))
+            self.tiers.put(blob.tokens, retained.scope, blob.to_bytes())  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - a tier is a cache: failing to fill it loses nothing live
+            log.warning("retained seq %d could not be stored in the tiers (%s): dropped", seq, exc)
+
     def clear_retained(self) -> int:
-        """Give back every retained sequence; returns how many."""
+        """Give back every retained sequence, storing none in the tiers; returns how many."""
         with self.lock:
             n = 0
-            while self.reclaim():
+            while self.reclaim(store=False):
                 n += 1
             return n
 

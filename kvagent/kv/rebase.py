@@ -84,7 +84,7 @@ def rebase(state: CachedSequence, old: Rendered, new: Rendered, *, sync: Sync, r
         edits.append(ImplicitEdit("fallback", first_change.old_start, len(old.tokens), first_change.new_start,
                                   len(new.tokens), tail.computed, line(first_change.new_start), why))
     return PrefillReport(reused, computed, time.perf_counter() - start, tail.shared, tail.transplanted,
-                         tail.fidelity, tail.fell_back, tail.recomputed_because, tuple(edits))
+                         tail.fidelity, tail.fell_back, tail.recomputed_because, tuple(edits), restored=tail.restored)
 
 
 def plan(old: Rendered, new: Rendered, *, recompute_because: str | None, frozen: Frozen = lambda span: None,

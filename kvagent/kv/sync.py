@@ -67,6 +67,7 @@ class PrefillReport:
     recomputed_because: str | None = None  # a splice that could not be exact recomputed from the field: why
     edits: tuple[ImplicitEdit, ...] = ()  # a resent prompt's changed regions and what was done (``kv.rebase``)
     resumed: int = 0  # tokens of a retained conversation this sync started from (``Session.resume``; 0: none)
+    restored: int = 0  # tokens restored from a tier (``kv.tiers``; 0: none)
 
 
 def check_fits(n_tokens: int, n_ctx: int, can_evict: bool) -> None:
@@ -97,6 +98,7 @@ def sync(
     backend, pool = state.backend, state.pool
     new = rendered.tokens
     check_fits(len(new), backend.n_ctx, state.evictor is not None)
+    restored = _from_tier(state, new) if share_prefix else 0
     keep = common_prefix(state.tokens, new)
     if keep == len(new) == len(state.tokens) and state.logits is not None:
         return PrefillReport(reused=keep, computed=0, seconds=time.perf_counter() - start)
@@ -141,7 +143,40 @@ def sync(
     if transplanted and fidelity is not None and not state.evicted and fidelity.sampled():
         fidelity_cos, fell_back = _guard(state, fidelity, new, start_at)
     log.debug("seq %d sync: reused %d (shared %d), computed %d, transplanted %d", state.seq, keep, gained, computed, transplanted)
-    return PrefillReport(keep, computed, time.perf_counter() - start, gained, transplanted, fidelity_cos, fell_back)
+    return PrefillReport(keep, computed, time.perf_counter() - start, gained, transplanted, fidelity_cos, fell_back,
+                         restored=restored)
+
+
+TIER_GAIN = 32
+"""Tokens a stored prefix must hold beyond what the pool offers, to be worth restoring."""
+
+
+def _from_tier(state: CachedSequence, new: tuple[int, ...]) -> int:
+    """For a sequence that caches nothing yet: restore the stored prefix of its scope (``kv.tiers``) that matches
+    ``new`` best, when it beats the pool's by :data:`TIER_GAIN` tokens, keeping the matching part; the tokens
+    restored (0: none). A restore refused for room, or a stored blob refused, loses nothing: the sync computes."""
+    pool = state.pool
+    if state.tokens or pool.tiers is None or state.evictor is not None:
+        return 0
+    found = pool.tiers.match(new, state.scope)
+    if found is None:
+        return 0
+    tier, entry, n = found
+    n = min(n, len(new) - 1)
+    _, in_pool = pool.index.match(new, exclude=state.seq, scope=state.scope)
+    if n < in_pool + TIER_GAIN:
+        return 0
+    blob = tier.load(entry, pool.fingerprint, state.backend.format)
+    if blob is None:
+        return 0
+    try:
+        state.restore(blob.payload, blob.tokens, None, share=True)
+    except Exception as exc:  # noqa: BLE001 - no room, or bytes the backend refuses: computed instead
+        log.info("seq %d: a stored prefix of %d tokens could not be restored (%s): computing it", state.seq, n, exc)
+        return 0
+    state.cut(n)
+    log.info("seq %d restored %d tokens from the %s tier", state.seq, n, tier.name)
+    return n
 
 
 def _before_skill(

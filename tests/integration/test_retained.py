@@ -94,3 +94,17 @@ def test_a_conversation_is_never_resumed_from_another_scope(engine: Any) -> None
     keyless(engine, [system(0), ChatMessage("user", QUESTIONS[0])], other)
     gen, _ = keyless(engine, [system(1), ChatMessage("user", QUESTIONS[0])], mine)
     assert gen.resumed == 0 and gen.reused == 0
+
+
+def test_a_prefix_given_back_under_pressure_is_restored_from_host_memory_exactly(engine: Any) -> None:
+    where = scope()
+    keyless(engine, [system(0), ChatMessage("user", QUESTIONS[0])], where)
+    assert engine.pool.reclaim()  # the pool needs the room: the prefix goes to the RAM tier, its cells are freed
+    assert engine.pool.retained == () and len(engine.tiers) == 1
+    messages = [system(0), ChatMessage("user", QUESTIONS[1])]
+    gen, _ = keyless(engine, messages, where)
+    with engine.session(to_segments(messages), share_prefix=False) as cold:
+        cold_gen = cold.generate(6)
+    question = len(engine.renderer(True).render(to_segments(messages[1:])).tokens)
+    assert gen.restored > 200 and gen.computed <= question + 8
+    assert gen.token_ids == cold_gen.token_ids

@@ -133,3 +133,58 @@ def test_evicted_or_restored_sessions_keep_only_what_may_be_shared(engine: Engin
     restored.close()
     assert engine.pool.retained == ()
     assert engine.backend.used_cells == 0  # type: ignore[attr-defined]
+
+
+# -- tiers: host memory, then disk ----------------------------------------------------------------------
+from kvagent.kv.tiers import FolderStore, MemoryStore, Tier  # noqa: E402
+
+
+@pytest.mark.parametrize("sizes, ram, disk, in_ram, in_disk", [
+    ([10, 10, 10], 25, 100, 2, 1),  # the least recently used moves down
+    ([10, 10, 10], 25, 15, 2, 1),  # the disk keeps what fits
+    ([10, 10, 10], 25, 0, 2, 0),  # no room below: dropped
+    ([30], 25, 100, 0, 1),  # larger than the RAM tier: straight to disk
+    ([30], 25, 20, 0, 0),  # larger than both: kept nowhere
+])
+def test_each_tier_stays_within_its_bound(tmp_path: Path, sizes: list[int], ram: int, disk: int, in_ram: int,
+                                          in_disk: int) -> None:
+    lower = Tier("disk", FolderStore(tmp_path / "disk"), disk)
+    upper = Tier("ram", MemoryStore(), ram, lower)
+    for i, size in enumerate(sizes):
+        upper.put((i, i + 1, i + 2), "", bytes(size))
+        assert upper.bytes <= ram and lower.bytes <= disk
+    assert (len(upper), len(lower)) == (in_ram, in_disk)
+    on_disk = sum(p.stat().st_size - 32 for p in (tmp_path / "disk").glob("*.kv"))
+    assert on_disk == lower.bytes
+    upper.close()
+    assert not (tmp_path / "disk").exists()
+
+
+def test_a_disk_file_changed_by_anything_else_is_never_loaded(tmp_path: Path) -> None:
+    store = FolderStore(tmp_path / "disk")
+    store.put(7, b"payload")
+    assert store.get(7) == b"payload"
+    path = tmp_path / "disk" / "7.kv"
+    path.write_bytes(path.read_bytes()[:-1] + b"X")
+    assert store.get(7) is None
+
+
+@pytest.mark.parametrize("scope, restored", [("", True), ("tenant-b", False)])
+def test_a_prefix_given_back_is_restored_from_host_memory_within_its_scope(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           scope: str, restored: bool) -> None:
+    monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path / "cache"))
+    engine = make(tmp_path)
+    try:
+        text = POLICY * 3
+        closed_session(engine, text)
+        assert engine.pool.reclaim()  # the cells go as under pressure: the prefix is saved into the RAM tier first
+        assert engine.backend.used_cells == 0 and len(engine.tiers) == 1  # type: ignore[attr-defined,arg-type]
+        s = engine.session([Segment.policy(text), Segment.user("hi")], chat=False, scope=scope)
+        report = s.prefill()
+        assert (report.restored > 0) is restored and (report.reused > 0) is restored
+        backend: FakeBackend = engine.backend  # type: ignore[assignment]
+        assert backend.sequence_digest(s.seq) == cold_digest(engine, s.tokens)
+        s.close()
+    finally:
+        engine.close()

@@ -139,8 +139,9 @@ async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, reques
 def cache_header(gen: Generation) -> str:
     """Where the prompt's KV came from, for a user who wants to see why a request was or was not cached:
     ``resumed`` (a retained conversation of the scope, edited in place: ``kvagent.session.Session.resume``),
-    ``prefix`` (a cached prefix, the session's own or another's of the scope) or ``none``; then the counts."""
-    how = "resumed" if gen.resumed else "prefix" if gen.reused else "none"
+    ``restored`` (a prefix restored from the host-memory or disk tier: ``kvagent.kv.tiers``), ``prefix`` (a cached
+    prefix, the session's own or another's of the scope) or ``none``; then the counts."""
+    how = "resumed" if gen.resumed else "restored" if gen.restored else "prefix" if gen.reused else "none"
     return f"{how}; reused={gen.reused}; computed={gen.computed}"
 
 

@@ -43,6 +43,10 @@ def serve(
     park_dir: Path = typer.Option(None, help="Where parked sessions' KV is written (default: a temporary folder)."),
     prefill_chunk_alone: int = typer.Option(512, min=0, help="Tokens a prefill alone on the engine decodes at once, "
                                             "preempted when another request arrives (0: chunks of 64 always)."),
+    cache_ram_mb: int = typer.Option(1024, min=0, help="Host memory (MiB) for prefixes the KV pool gave back, "
+                                     "restored by later requests of the same tenant (0: none)."),
+    cache_disk_mb: int = typer.Option(4096, min=0, help="Disk (MiB) below the host-memory tier, in a private "
+                                      "folder removed at shutdown (0: none)."),
     auto_tools: str = typer.Option("free", help="tool_choice auto: free, or once (a tool called since the last user "
                                    "message may not be called again; for small models that repeat their call)."),
     upstream: list[str] = typer.Option([], "--upstream", help="An OpenAI-compatible engine to forward to "
@@ -73,6 +77,7 @@ def serve(
                               max_tokens=max_tokens, max_body_kb=max_body_kb, max_sessions=max_sessions,
                               max_in_flight=max_in_flight, max_parked_mb=max_parked_mb, skills_dir=skills,
                               park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None,
+                              cache_ram_mb=cache_ram_mb, cache_disk_mb=cache_disk_mb,
                               auto_tools=auto_tools, upstream=tuple(upstream), upstream_model=upstream_model,
                               upstream_key=upstream_key, erratum_role=erratum_role,
                               inplace_tail_chars=inplace_tail_chars, upstream_timeout_s=upstream_timeout_s)

@@ -53,6 +53,13 @@ class EngineSettings(BaseModel):
     and a short request beside a 2k-token prefill waits 1.2x its idle time instead of 2.3x; BENCHMARKS.md,
     "llama-server"). None: chunks of 64 always."""
 
+    cache_ram_mb: int = Field(1024, ge=0)
+    """Host memory (MiB) for the prefixes of retained sequences the KV pool gave back (``kvagent.kv.tiers``): a later
+    request of the same tenant restores one instead of computing it (llama-server's ``--cache-ram``). 0: none."""
+    cache_disk_mb: int = Field(4096, ge=0)
+    """Disk (MiB) below the host-memory tier, in a private folder of kvagent's cache folder removed at shutdown.
+    0: none."""
+
     auto_tools: Literal["free", "once"] = "free"
     """How ``tool_choice="auto"`` is decoded: ``free`` (OpenAI's meaning), or ``once``: a tool called since the last
     user message may not be called again (its result is in the prompt; ``kvagent.tools.choice.spent_tools``). For a

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -45,6 +45,10 @@ class Metrics:
         self.kv_cells_used = Gauge("kvagent_kv_cells_used", "KV cells held by live sessions (shared prefixes once).",
                                    registry=r)
         self.kv_cells_total = Gauge("kvagent_kv_cells_total", "Size of the KV pool.", registry=r)
+        self.retained = Gauge("kvagent_retained", "Closed sessions' KV kept for reuse: sequences in the pool, and "
+                              "prefixes stored in the ram and disk tiers.", ["where"], registry=r)
+        self.retained_bytes = Gauge("kvagent_retained_bytes", "Bytes of the prefixes stored in each tier.", ["tier"],
+                                    registry=r)
         self.requests_running = Gauge("kvagent_requests_running", "Requests working on a session now.", registry=r)
         self.requests_waiting = Gauge("kvagent_requests_waiting", "Requests waiting for their session or for room.",
                                       registry=r)
@@ -56,6 +60,14 @@ class Metrics:
         self.sessions.labels("parked").set_function(parked)
         self.kv_cells_used.set_function(cells)
         self.kv_cells_total.set(total)
+
+    def watch_retained(self, engine: Any) -> None:
+        """The engine's retained sequences and tiers (``kvagent.kv.pool``, ``kvagent.kv.tiers``), read at scrape
+        time."""
+        self.retained.labels("pool").set_function(lambda: float(len(engine.pool.retained)))
+        for tier in engine.tiers.tiers() if engine.tiers is not None else ():
+            self.retained.labels(tier.name).set_function(lambda t=tier: float(len(t)))
+            self.retained_bytes.labels(tier.name).set_function(lambda t=tier: float(t.bytes))
 
     def watch_sessions(self, held: Callable[[], float]) -> None:
         """The proxy's sessions (layouts held), read at scrape time."""

@@ -199,6 +199,7 @@ class SessionManager:
         self.renderer = engine.engine.renderer(True)
         metrics.watch(active=lambda: float(self.active_count), parked=lambda: float(self.parked_count),
                       cells=lambda: float(self.cells_used()), total=self.n_ctx)
+        metrics.watch_retained(engine.engine)
 
     # -- reading ----------------------------------------------------------------------------------
     def entries_of(self, tenant: Tenant, kind: str | None = None) -> list[Entry]:
