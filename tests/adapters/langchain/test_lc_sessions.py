@@ -86,6 +86,30 @@ async def test_follow_up_computes_only_the_new_message() -> None:
     assert meta["model_name"] == "smollm2-135m" and meta["session_id"] == "follow-up" and meta["ttft_s"] > 0
 
 
+@pytest.mark.parametrize("closed", [True, False], ids=["after close_session", "beside the live one"])
+def test_a_new_session_id_starts_from_a_conversation_seen_before(closed: bool) -> None:
+    """A new conversation (a new session_id, as a new LangGraph thread) with the system prompt seen before computes
+    its own message only: the earlier session's cells are shared, live or retained after close_session. A resent
+    history whose clock line changed resumes the closed conversation and edits the line in place."""
+    m = model(policy=POLICY)
+    system = SystemMessage("Customer: Alice Moreau, gold member.\nCurrent time: 10:05\n" +
+                           " ".join(f"Rule {i}: reply politely about order type {i}." for i in range(12)))
+    first = m.invoke([system, HumanMessage("Can I still cancel my order?")], session_id=f"a-{closed}")
+    if closed:
+        assert m.close_session(f"a-{closed}")
+    question = "Where is my parcel now?"
+    other = m.invoke([system, HumanMessage(question)], session_id=f"b-{closed}")
+    n_message = len(m.load_engine().renderer(True).segment_tokens(Segment.user(question)))
+    assert other.response_metadata["computed"] <= n_message + 8, other.response_metadata
+    if closed:  # the first conversation, resent whole with another minute, by a third session id
+        assert m.close_session(f"b-{closed}")
+        later = SystemMessage(system.content.replace("10:05", "10:06"))
+        history = [later, HumanMessage("Can I still cancel my order?"), first, HumanMessage("Thanks.")]
+        resumed = m.invoke(history, session_id=f"c-{closed}")
+        assert resumed.response_metadata["computed"] <= 2 + 8 + n_message, resumed.response_metadata
+    m.close_session()
+
+
 def test_a_system_prompt_changed_by_the_agent_is_edited_not_recomputed() -> None:
     # a dynamic prompt (a clock line at its top) through the plain chat model: no field declared
     m = model()
