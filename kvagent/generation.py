@@ -179,7 +179,7 @@ class Decoder:
         self._original = list(host.segments)
         self._before = [*(self.base if self.base is not None else self._original), *self.extra]
         pending = Segment(SegmentKind.TURN, self.prefix, role="assistant", complete=False)
-        if self.base is not None and not host.cache.tokens:  # a resent prompt on a new session: resume what was seen
+        if self.base is not None:  # a resent prompt: resume a conversation seen before where that keeps more
             self.base = host.resume(self.base, [*self.extra, pending])
             self._before = [*self.base, *self.extra]
         rendered = host.renderer.render([*self._before, pending])  # validates before anything changes

@@ -204,44 +204,74 @@ class Session:
         return Resume(self.renderer, tuple(self._segments), self._rendered)
 
     def resume(self, segments: Sequence[Segment], tail: Sequence[Segment] = ()) -> list[Segment]:
-        """For a session that caches nothing yet, about to be given the resent prompt ``segments`` (then ``tail``):
-        take the retained conversation of its scope (``SequencePool.retained``, a closed session's cells) that
-        keeps the most of it once its changed regions are edited in place, when that beats the prefix another
-        sequence gives by :data:`RESUME_GAIN` tokens. Its cells become this session's, and the next
-        :meth:`rebase_work` edits them into ``segments`` ("beyond a prefix": a history resent with a line changed
-        near its top keeps the rest). Returns ``segments`` with the resumed conversation's exact reply tokens.
-        Runs on the engine's worker (it moves cells)."""
+        """About to be given the resent prompt ``segments`` (then ``tail``): take the retained conversation of this
+        scope (``SequencePool.retained``: a closed session's cells, or one this session left) that keeps the most
+        of it once its changed regions are edited in place, when that beats what this session's own cache keeps
+        (or, caching nothing, the prefix another sequence gives) by :data:`RESUME_GAIN` tokens. Its cells become
+        this session's, and the next :meth:`rebase_work` edits them into ``segments`` ("beyond a prefix": a
+        history resent with a line changed near its top keeps the rest). A conversation this session leaves
+        (resuming another, or a prompt that keeps less than half of it: an agent's side request under the same
+        key) is retained in turn, so the next request can come back to it. Returns ``segments`` with the resumed
+        conversation's exact reply tokens. Runs on the engine's worker (it moves cells)."""
         cache = self.cache
         segments = list(segments)
-        if cache.tokens or not self._share_prefix or cache.evictor is not None or not cache.backend.capabilities.shift:
+        if not self._share_prefix or cache.evictor is not None or not cache.backend.capabilities.shift:
+            return segments
+        own = bool(cache.tokens) and self._rendered is not None and self._rendered.tokens == cache.tokens \
+            and not cache.restored
+        if cache.tokens and not own:
+            return segments
+        first = self.renderer.render(attach_tools(self.renderer, [*self.replies.resolve_all(segments, self._segments),
+                                                                  *tail]))
+        if own:
+            kept_here = self._kept(self.rendered, self._segments, first)
+        else:
+            kept_here = cache.pool.index.match(first.tokens, exclude=cache.seq, scope=cache.scope)[1]
+        if kept_here + RESUME_GAIN > len(first.tokens):  # nothing retained can beat it
             return segments
         candidates = [r for r in reversed(cache.pool.retained) if r.scope == cache.scope
                       and isinstance(r.memo, Resume) and r.memo.renderer is self.renderer
                       and r.tokens[:len(r.memo.rendered.tokens)] == r.memo.rendered.tokens][:RESUME_CANDIDATES]
-        if not candidates:
-            return segments
-        first = self.renderer.render(attach_tools(self.renderer, [*segments, *tail]))
-        _, prefix = cache.pool.index.match(first.tokens, exclude=cache.seq, scope=cache.scope)
-        best, best_kept, best_segments = None, prefix + RESUME_GAIN, segments
+        best, best_kept, best_segments = None, kept_here + RESUME_GAIN, segments
         for retained in candidates:
             memo: Resume = retained.memo
             resolved = self.replies.resolve_all(segments, memo.segments)
-            new = self.renderer.render(attach_tools(self.renderer, [*resolved, *tail]))
-            hunks, inner, why = plan_rebase(memo.rendered, new, **self._rebase_options(memo.segments))
-            kept = common_prefix(memo.rendered.tokens, new.tokens) if why is not None else \
-                len(new.tokens) - sum(h.added for h in hunks)
+            kept = self._kept(memo.rendered, memo.segments,
+                              self.renderer.render(attach_tools(self.renderer, [*resolved, *tail])))
             if kept >= best_kept:
                 best, best_kept, best_segments = retained, kept, resolved
         if best is None:
+            if own and kept_here < len(cache.tokens) // 2 and len(cache.tokens) >= RESUME_GAIN:
+                self._leave()  # most of this conversation is about to go: keep it for a request that comes back
             return segments
         memo = best.memo
+        if own:
+            self._leave()
+            cache.cut(0)
         cache.adopt(best, len(memo.rendered.tokens))
         self._segments, self._rendered = list(memo.segments), memo.rendered
         self._resumed = len(memo.rendered.tokens)
-        log.info("seq %d resumed a retained conversation of %d tokens (seq %d): %d of %d tokens kept (the prefix "
-                 "index offered %d)", cache.seq, len(memo.rendered.tokens), best.seq, best_kept, len(first.tokens),
-                 prefix)
+        log.info("seq %d resumed a retained conversation of %d tokens (seq %d): %d of %d tokens kept (its own cache "
+                 "or the prefix index offered %d)", cache.seq, len(memo.rendered.tokens), best.seq, best_kept,
+                 len(first.tokens), kept_here)
         return best_segments
+
+    def _kept(self, old: Rendered, segments: Sequence[Segment], new: Rendered) -> int:
+        """Tokens of ``old`` (rendered from ``segments``) that bringing a cache holding it to ``new`` keeps."""
+        hunks, _, why = plan_rebase(old, new, **self._rebase_options(segments))
+        return common_prefix(old.tokens, new.tokens) if why is not None else len(new.tokens) - sum(h.added for h in hunks)
+
+    def _leave(self) -> None:
+        """Retain a copy of this session's conversation (its cells shared, not copied) before it goes."""
+        cache, pool = self.cache, self.cache.pool
+        if not pool.free:
+            return
+        seq = pool.take("a conversation left behind")
+        pool.share(cache.seq, seq, 0, len(cache.tokens))
+        pool.index.insert(seq, cache.tokens[:cache.shareable], cache.scope)
+        pool.retain(seq, cache.tokens, cache.scope, stale=cache.stale, memo=self.resume_point)
+        log.info("seq %d: the conversation it leaves (%d tokens) is retained as seq %d", cache.seq, len(cache.tokens),
+                 seq)
 
     def rebase_work(self, rendered: Rendered) -> Work[PrefillReport]:
         """Bring the cache to ``rendered``, a prompt a client resent whole: the regions that changed inside it are

@@ -108,3 +108,26 @@ def test_a_prefix_given_back_under_pressure_is_restored_from_host_memory_exactly
     question = len(engine.renderer(True).render(to_segments(messages[1:])).tokens)
     assert gen.restored > 200 and gen.computed <= question + 8
     assert gen.token_ids == cold_gen.token_ids
+
+
+def test_a_side_request_under_the_same_key_does_not_lose_the_conversation(engine: Any) -> None:
+    """An agent's side request on its own session (another system prompt: smolagents' final-answer call) replaces
+    the prompt; the conversation it left is retained, and the next ordinary step resumes it (its new tokens only)."""
+    where = scope()
+    history = [system(0), ChatMessage("user", QUESTIONS[0])]
+    with engine.session(scope=where) as session:
+        gen = session.generate(6, segments=to_segments(history))
+        history.append(ChatMessage("assistant", gen.text))
+        side = [ChatMessage("system", "Write the final answer to the task below in one short sentence."),
+                ChatMessage("user", "Task: " + QUESTIONS[0])]
+        session.generate(6, segments=to_segments(side))
+        assert any(r.scope == where for r in engine.pool.retained)  # the conversation it left
+        history.append(ChatMessage("user", QUESTIONS[1]))
+        back = session.generate(6, segments=to_segments(history))
+        new = len(engine.renderer(True).render(to_segments(history[-1:])).tokens)
+        assert back.resumed > 0 and back.computed <= new + 8, (back.resumed, back.computed)
+        tokens = session.tokens
+    with engine.session(to_segments(history), share_prefix=False) as cold:
+        cold_gen = cold.generate(6)
+        assert cold.tokens == tokens
+    assert back.token_ids == cold_gen.token_ids
