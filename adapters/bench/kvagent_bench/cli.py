@@ -451,12 +451,14 @@ def bench_recompute(
 
 @app.command("agents")
 def bench_agents(
-    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m or gemma3-270m."),
-    targets: str = typer.Option(None, help="Engines, comma-separated: kvagent (kvagent serve), llama-server "
+    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m, gemma3-270m or qwen2.5-coder-0.5b."),
+    targets: str = typer.Option(None, help="Engines, comma-separated: kvagent (kvagent serve, keyed by "
+                                "prompt_cache_key), kvagent-keyless (kvagent serve, no session key), llama-server "
                                 "(llama.cpp's server, `make llama-server`; two arms: prompt cache, and --cache-reuse "
                                 "256), llama-cpp-python (in process) [default: all]. With --langchain: middleware, "
                                 "chat-model, recompute, llama-server [default: all]."),
-    traces: str = typer.Option(None, help="Agent traces, comma-separated [default: clock,memory,cleared,summary,tools; "
+    traces: str = typer.Option(None, help="Agent traces, comma-separated [default: clock,memory,cleared,summary,tools,"
+                               "conversations; "
                                "with --langchain: dynamic,context,summary,tools]."),
     turns: int = typer.Option(8, min=1, max=8, help="Turns of each trace (the first is cold)."),
     langchain: bool = typer.Option(False, "--langchain", help="LangChain v1 agents (create_agent) with their own "
@@ -469,7 +471,7 @@ def bench_agents(
     """Agents that change their own prompt between turns (the time line, a memory block, cleared tool results, a
     summary, the tools bound), sent through the openai client: prompt tokens each engine computes and TTFT per turn."""
     from kvagent.models import REGISTRY
-    from kvagent_bench import agents
+    from kvagent_bench import agent_traces, agents
 
     if model not in REGISTRY:
         console.print(f"[red]error:[/] unknown model {model!r}: use {', '.join(REGISTRY)}")
@@ -479,8 +481,8 @@ def bench_agents(
         _bench_langchain_agents(model, names(targets or ",".join(lc_arms())), names(traces or ",".join(lc_traces())),
                                 json_path)
         return
-    targets = targets or "kvagent,llama-server,llama-cpp-python"
-    traces = traces or "clock,memory,cleared,summary,tools"
+    targets = targets or ",".join(agents.TARGETS)
+    traces = traces or ",".join(agent_traces.TRACES)
     json_path = json_path or agents.default_json(model)
     with console.status("agents benchmark") as status:
         try:
@@ -493,14 +495,14 @@ def bench_agents(
     agents.plot(doc["rows"], plot_path, model)
     fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
     table = [[arm, name, " ".join(str(c) for c in v["computed_per_turn"]), fmt(v["computed_median"], ".0f"),
-              fmt(v["cached_share_median"], ".2f"), fmt(v["ttft_s_median"] * 1e3, ".0f"),
+              fmt(v.get("hit_rate"), ".2f"), fmt(v["ttft_s_median"] * 1e3, ".0f"),
               fmt(v.get("ttft_vs_kvagent"), ".1f"), fmt(v["cold_ttft_s"] * 1e3 if v["cold_ttft_s"] else None, ".0f")]
              for arm, per in doc["summary"].items() for name, v in per.items() if name != "all"]
     print_table(f"tokens computed and TTFT per turn, {model} ({json_path}, {plot_path})",
-                ("arm", "trace", "computed per turn", "median computed", "cached share", "TTFT ms",
+                ("arm", "trace", "computed per turn", "median computed", "hit rate", "TTFT ms",
                  "TTFT / kvagent's", "cold TTFT ms"), table)
     console.print("medians over the changed turns (1 on); computed = prompt_tokens - cached_tokens as each engine "
-                  "reports them")
+                  "reports them; hit rate = cached / prompt tokens over the changed turns")
     for key, message in doc["errors"].items():
         console.print(f"[red]{key}:[/] {message[:300]}")
 
@@ -589,7 +591,7 @@ def bench_proxy_fidelity(
 
 @app.command("implicit")
 def bench_implicit(
-    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m or gemma3-270m."),
+    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m, gemma3-270m or qwen2.5-coder-0.5b."),
     traces: str = typer.Option("clock,memory,cleared,summary,tools", help="Agent traces, comma-separated."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
                                    "bench/results/implicit-<model>.json)."),
