@@ -460,10 +460,14 @@ def bench_agents(
     traces: str = typer.Option(None, help="Agent traces, comma-separated [default: clock,memory,cleared,summary,tools,"
                                "conversations; "
                                "with --langchain: dynamic,context,summary,tools]."),
-    turns: int = typer.Option(8, min=1, max=8, help="Turns of each trace (the first is cold)."),
+    turns: int = typer.Option(8, min=1, max=8, help="Turns of each trace (the first is cold); with --framework, the "
+                              "number of agent tasks."),
     langchain: bool = typer.Option(False, "--langchain", help="LangChain v1 agents (create_agent) with their own "
                                    "middlewares, on kvagent with and without KVCacheMiddleware and on llama-server "
                                    "(ChatOpenAI), and a thread resumed from KVCheckpointer."),
+    framework: str = typer.Option(None, help="An agent framework driving kvagent serve with no session key: "
+                                  "openai-agents (the OpenAI Agents SDK: `pip install kvagent-bench[agents]`); prompt "
+                                  "and cached tokens per request, wall time per task."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
                                    "bench/results/agents-<model>.json, or agents-langchain-<model>.json; rows of other "
                                    "arms and traces are kept)."),
@@ -477,6 +481,9 @@ def bench_agents(
         console.print(f"[red]error:[/] unknown model {model!r}: use {', '.join(REGISTRY)}")
         raise typer.Exit(2)
     names = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    if framework:
+        _bench_framework_agents(model, framework, turns, json_path)
+        return
     if langchain:
         _bench_langchain_agents(model, names(targets or ",".join(lc_arms())), names(traces or ",".join(lc_traces())),
                                 json_path)
@@ -505,6 +512,37 @@ def bench_agents(
                   "reports them; hit rate = cached / prompt tokens over the changed turns")
     for key, message in doc["errors"].items():
         console.print(f"[red]{key}:[/] {message[:300]}")
+
+
+def _bench_framework_agents(model: str, framework: str, tasks: int, json_path: Path | None) -> None:
+    import importlib.util
+
+    from kvagent_bench import oa_agents
+
+    if framework not in oa_agents.FRAMEWORKS:
+        console.print(f"[red]error:[/] unknown framework {framework!r}: use {', '.join(oa_agents.FRAMEWORKS)}")
+        raise typer.Exit(2)
+    if importlib.util.find_spec("agents") is None:
+        console.print("[red]error:[/] the OpenAI Agents SDK is not installed: pip install 'kvagent-bench[agents]'")
+        raise typer.Exit(2)
+    json_path = json_path or oa_agents.default_json(model)
+    with console.status("openai-agents benchmark") as status:
+        try:
+            doc = oa_agents.run(model, tasks, json_path, command_line(), progress=lambda m: status.update(m))
+        except ValueError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from exc
+    fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
+    print_table(f"OpenAI Agents SDK on kvagent serve, no session key, {model} ({json_path})",
+                ("task", "call", "messages", "prompt", "cached", "computed", "X-KVAgent-Cache", "resumed", "wall ms"),
+                [[r["task"], r["call"], r["messages"], r["prompt_tokens"], r["cached"], r["computed"], r["how"],
+                  fmt(r["resumed"], "d"), fmt(r["wall_s"] * 1e3, ".0f")] for r in doc["rows"]])
+    s = doc["summary"]
+    console.print(f"after the first request: median computed {fmt(s['computed_median'], '.0f')} of "
+                  f"{fmt(s['prompt_median'], '.0f')} prompt tokens, hit rate {fmt(s['hit_rate'], '.2f')}, median "
+                  f"request {fmt(s['request_wall_s_median'] * 1e3, '.0f')} ms; median task "
+                  f"{fmt(s['task_wall_s_median'], '.1f')} s; tasks ended {', '.join(s['ended'])}; any request keyed: "
+                  f"{s['any_keyed']}")
 
 
 def lc_arms() -> tuple[str, ...]:
