@@ -783,5 +783,6 @@ def tool_call_ids(messages: list[Message]) -> tuple[list[str], list[str]]:
     return calls, results
 
 
-__all__ = ["CLEARED", "CLEAR_FROM", "CONVERSATION_QUESTIONS", "CONVERSATION_TOOLS", "KEEP_RESULTS", "SUMMARY_PREFIX", "SUMMARY_TURN", "TOOL_SPECS", "TRACES", "TURNS",
-           "Trace", "Turn", "handbook", "render_chatml", "system_prompt", "tool_call_ids", "trace"]
+__all__ = ["CLEARED", "CLEAR_FROM", "CONVERSATION_QUESTIONS", "CONVERSATION_TOOLS", "KEEP_RESULTS", "SUMMARY_PREFIX",
+           "SUMMARY_TURN", "TOOL_SPECS", "TRACES", "TURNS", "Trace", "Turn", "handbook", "render_chatml",
+           "system_prompt", "tool_call_ids", "trace"]

@@ -31,10 +31,10 @@ request ("Hello", 1 token):
 
 The OpenAI arms send ``client.chat.completions.create(model, messages, tools (when the turn binds any),
 max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
-extra_body={"prompt_cache_key": ...})`` (no ``extra_body`` on the keyless arm). Per turn: ``ttft_s`` (request to the first content or tool-call delta;
-the end of the stream when none came), ``wall_s`` (request to the end of the stream), ``prompt_tokens`` and
-``cached`` (``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``, as each server reports
-them), ``computed`` = prompt - cached; llama-server's own count of prompt tokens it processed
+extra_body={"prompt_cache_key": ...})`` (no ``extra_body`` on the keyless arm). Per turn: ``ttft_s`` (request to
+the first content or tool-call delta; the end of the stream when none came), ``wall_s`` (request to the end of the
+stream), ``prompt_tokens`` and ``cached`` (``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``,
+as each server reports them), ``computed`` = prompt - cached; llama-server's own count of prompt tokens it processed
 (``timings.prompt_n``) is kept as ``server_computed``. ``summary``: per arm and trace, medians over the changed
 turns (1 on).
 """
