@@ -47,3 +47,22 @@ def test_summary_leaves_the_cold_request_out() -> None:
     assert s["computed_median"] == 50 and s["hit_rate"] == (3000 + 3000 + 3140) / (3100 + 3050 + 3150)
     assert s["how"] == {"prefix": 2, "resumed": 1} and s["resumed_requests"] == 1
     assert s["task_wall_s_median"] == 4.0 and s["any_keyed"] is False and s["ended"] == ["final", "max_turns"]
+
+
+def test_the_cli_prints_a_run_and_refuses_an_unknown_framework(tmp_path: Any, monkeypatch: Any) -> None:
+    import importlib.util
+
+    import typer
+
+    from kvagent_bench import cli
+
+    calls = [{"task": 0, "call": 0, "messages": 2, "prompt_tokens": 3265, "cached": 0, "computed": 3265, "how": "none",
+              "resumed": 0, "wall_s": 9.1, "keyed": False},
+             {"task": 0, "call": 1, "messages": 4, "prompt_tokens": 3368, "cached": 3265, "computed": 103,
+              "how": "prefix", "resumed": None, "wall_s": 1.2, "keyed": False}]
+    doc = {"rows": calls, "summary": oa_agents.summarise(calls, [{"wall_s": 10.3, "ended": "final"}])}
+    monkeypatch.setattr(oa_agents, "run", lambda *a, **k: doc)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    cli._bench_framework_agents("qwen2.5-coder-0.5b", "openai-agents", 1, tmp_path / "x.json")
+    with pytest.raises(typer.Exit):
+        cli._bench_framework_agents("qwen2.5-coder-0.5b", "crewai", 1, tmp_path / "x.json")

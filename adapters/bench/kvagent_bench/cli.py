@@ -535,7 +535,7 @@ def _bench_framework_agents(model: str, framework: str, tasks: int, json_path: P
     fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
     print_table(f"OpenAI Agents SDK on kvagent serve, no session key, {model} ({json_path})",
                 ("task", "call", "messages", "prompt", "cached", "computed", "X-KVAgent-Cache", "resumed", "wall ms"),
-                [[r["task"], r["call"], r["messages"], r["prompt_tokens"], r["cached"], r["computed"], r["how"],
+                [[*(str(r[k]) for k in ("task", "call", "messages", "prompt_tokens", "cached", "computed", "how")),
                   fmt(r["resumed"], "d"), fmt(r["wall_s"] * 1e3, ".0f")] for r in doc["rows"]])
     s = doc["summary"]
     console.print(f"after the first request: median computed {fmt(s['computed_median'], '.0f')} of "
