@@ -5,8 +5,8 @@ The traces (:mod:`kvagent_bench.agent_traces`): ``clock`` (the time on the syste
 (a Letta-style memory block edited by a tool), ``cleared`` (old tool results replaced by ``[cleared]``),
 ``summary`` (the oldest turns replaced by a summary) and ``tools`` (a different subset of tools bound each turn);
 8 turns each, the first cold; and ``conversations`` (8 new conversations, each one request with the same system
-prompt and eight tools and another first question). Every request is the whole message list (and ``tools``), fixed in the trace, so every
-engine gets the same requests; the model's replies are read and thrown away.
+prompt and eight tools and another first question). Every request is the whole message list (and ``tools``), fixed
+in the trace, so every engine gets the same requests; the model's replies are read and thrown away.
 
 Arms, each started fresh on 127.0.0.1 for each trace, with an 8,192-token context and one unmeasured warm-up
 request ("Hello", 1 token):
