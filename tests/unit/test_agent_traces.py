@@ -234,3 +234,109 @@ def test_run_writes_rows_keeps_other_arms_rows_and_records_failures(tmp_path: An
     assert data["errors"] == {} and data["commands"] == {"kvagent / clock": "first", "llama-cpp-python / clock": "second"}
     with pytest.raises(ValueError, match="unknown trace"):
         agents.run("smollm2-135m", ["kvagent"], ["nope"], 3, path, "x")
+
+
+def test_conversations_are_new_each_request_with_one_system_prompt_and_eight_tools(traces: dict[str, at.Trace]) -> None:
+    turns = traces["conversations"].turns
+    assert [t.conversation for t in turns] == list(range(at.TURNS))
+    assert len({t.messages[0]["content"] for t in turns}) == 1 and "Current time" not in turns[0].messages[0]["content"]
+    assert all(t.tools == turns[0].tools for t in turns)
+    assert [t["function"]["name"] for t in turns[0].tools or ()] == list(at.CONVERSATION_TOOLS)
+    assert len(at.CONVERSATION_TOOLS) == 8
+    assert all([m["role"] for m in t.messages] == ["system", "user"] for t in turns)
+    assert len({t.messages[1]["content"] for t in turns}) == at.TURNS
+
+
+@pytest.mark.parametrize("arm, trace_name, conversation, key", [
+    ("kvagent", "clock", 0, "clock-agent"),
+    ("kvagent", "conversations", 0, "conversations-agent"),
+    ("kvagent", "conversations", 3, "conversations-agent-3"),
+    ("kvagent-keyless", "clock", 0, None),
+    ("kvagent-keyless", "conversations", 3, None),
+])
+def test_session_key_is_one_per_conversation_and_none_when_keyless(arm: str, trace_name: str, conversation: int,
+                                                                   key: str | None) -> None:
+    from kvagent_bench import agents
+
+    by_name = {a.name: a for a in agents.ARMS}
+    assert agents.session_key(by_name[arm], trace_name, at.Turn([], None, conversation)) == key
+
+
+def test_a_keyless_turn_sends_no_prompt_cache_key() -> None:
+    from kvagent_bench import agents
+
+    sent: list[dict[str, Any]] = []
+
+    class Usage:
+        prompt_tokens, completion_tokens = 10, 1
+        prompt_tokens_details = type("D", (), {"cached_tokens": 4})()
+
+    class Chunk:
+        choices: list[Any] = []
+        usage = Usage()
+
+    class Client:
+        class chat:  # noqa: N801 - the openai client's shape
+            class completions:  # noqa: N801
+                @staticmethod
+                def create(**kwargs: Any) -> list[Chunk]:
+                    sent.append(kwargs)
+                    return [Chunk()]
+
+    turn = at.Turn([{"role": "user", "content": "hi"}])
+    agents.openai_turn(Client(), "m", None, turn)
+    got = agents.openai_turn(Client(), "m", "k", turn)
+    assert "extra_body" not in sent[0] and "user" not in sent[0]
+    assert sent[1]["extra_body"] == {"prompt_cache_key": "k"}
+    assert (got["prompt_tokens"], got["cached"], got["computed"]) == (10, 4, 6)
+
+
+@pytest.mark.parametrize("log, kept", [
+    ("", []),
+    ("INFO kvagent.session: seq 2 resumed a retained conversation of 3400 tokens (seq 1): 3391 of 3500 tokens kept "
+     "(the prefix index offered 3010)\nINFO other line\n"
+     "INFO kvagent.session: seq 1 resumed a retained conversation of 3500 tokens (seq 2): 3480 of 3600 tokens kept "
+     "(the prefix index offered 3010)\n", [3391, 3480]),
+])
+def test_resumes_reads_the_kept_tokens_from_the_servers_log(log: str, kept: list[int]) -> None:
+    from kvagent_bench.agents import resumes
+
+    assert resumes(log) == kept
+
+
+def test_summary_hit_rate_sums_cached_over_prompt_on_the_changed_turns() -> None:
+    from kvagent_bench.agents import summarise
+
+    rows = [{"arm": "kvagent-keyless", "trace": "conversations", "turn": k, "changed": k > 0, "prompt_tokens": p,
+             "cached": c, "computed": p - c, "ttft_s": 1.0, "wall_s": 1.1, "resumed": r}
+            for k, (p, c, r) in enumerate([(3000, 0, 0), (3020, 3000, 0), (3040, 2980, 3000)])]
+    s = summarise(rows)["kvagent-keyless"]["conversations"]
+    assert s["hit_rate"] == (3000 + 2980) / (3020 + 3040)
+    assert s["resumed_per_turn"] == [0, 0, 3000]
+
+
+def test_run_keeps_the_keyless_arm_apart_from_the_keyed_one(tmp_path: Any, monkeypatch: Any) -> None:
+    from kvagent_bench import agents
+
+    keys: dict[str, list[str | None]] = {}
+
+    class Fake:
+        def __init__(self, arm: agents.Arm) -> None:
+            self.arm = arm
+
+        def turn(self, key: str | None, turn: at.Turn, max_tokens: int = 8) -> dict[str, Any]:
+            keys.setdefault(self.arm.name, []).append(key)
+            return {"prompt_tokens": 100, "cached": 90, "computed": 10, "ttft_s": 0.1, "wall_s": 0.2}
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(agents, "start_arm", lambda arm, model, log_dir: Fake(arm))
+    monkeypatch.setattr(agents, "skip_reason", lambda arm: None)
+    doc = agents.run("smollm2-135m", ["kvagent", "kvagent-keyless"], ["conversations"], 3, tmp_path / "a.json", "c")
+    assert keys["kvagent"] == ["conversations-warmup", "conversations-agent", "conversations-agent-1",
+                               "conversations-agent-2"]
+    assert keys["kvagent-keyless"] == [None] * 4
+    assert {r["arm"] for r in doc["rows"]} == {"kvagent", "kvagent-keyless"}
+    assert [r["conversation"] for r in doc["rows"] if r["arm"] == "kvagent"] == [0, 1, 2]
+    assert doc["summary"]["kvagent-keyless"]["conversations"]["ttft_vs_kvagent"] == 1.0

@@ -1,4 +1,5 @@
-"""The agents benchmark's traces (``kvagent bench agents``): five agents that change their own prompt between turns.
+"""The agents benchmark's traces (``kvagent bench agents``): five agents that change their own prompt between turns,
+and one that starts many short conversations with the same system prompt and tools.
 
 Written for this benchmark alone (held out: no text taken from kvagent's edit suite or the other benchmarks' data).
 Each trace is a list of turns; a turn is the FULL request an agent sends (OpenAI chat format: ``messages``, and
@@ -16,6 +17,8 @@ and e-bike company; its system prompt is built from :data:`HANDBOOK` (~2.9k Smol
 - ``summary``: a conversation whose oldest turns are replaced at turn :data:`SUMMARY_TURN` by one user message
   ``Summary of the conversation so far: ...`` (``SummarizationMiddleware``), the last two exchanges kept.
 - ``tools``: a different 3-5 of :data:`TOOL_SPECS`' ten tools bound each turn (``LLMToolSelectorMiddleware``).
+- ``conversations``: every request a new conversation (:attr:`Turn.conversation`): the same system prompt (no clock)
+  and the same eight tools (:data:`CONVERSATION_TOOLS`), a different customer's first question each time.
 
 :func:`trace` builds one (fresh dicts each call), :func:`render_chatml` writes a turn the way SmolLM2's template
 does (for counting tokens), :func:`tool_call_ids` pairs calls and results.
@@ -27,7 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-TRACES = ("clock", "memory", "cleared", "summary", "tools")
+TRACES = ("clock", "memory", "cleared", "summary", "tools", "conversations")
 TURNS = 8
 CLEARED = "[cleared]"
 """What ``ClearToolUsesEdit`` writes over an old tool result (its default placeholder)."""
@@ -44,10 +47,12 @@ Message = dict[str, Any]
 
 @dataclass(frozen=True)
 class Turn:
-    """One request: the whole message list, and the tools bound (None: no ``tools`` parameter)."""
+    """One request: the whole message list, the tools bound (None: no ``tools`` parameter), and which conversation of
+    the trace it belongs to (a client that keys its sessions gives each conversation its own key)."""
 
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
+    conversation: int = 0
 
 
 @dataclass(frozen=True)
@@ -716,8 +721,34 @@ def tools_trace() -> Trace:
     return Trace("tools", "a different 3-5 of ten tools bound each turn, a new user message each turn", turns)
 
 
+# -- conversations (many short ones sharing a system prompt and tools) ---------------------------------------
+CONVERSATION_TOOLS = ("lookup_customer", "get_order", "get_shipment_events", "search_help_center",
+                      "get_warranty_status", "check_stock", "find_workshop_slots", "create_return")
+"""The eight tools every request of ``conversations`` binds, in this order."""
+CONVERSATION_QUESTIONS = (
+    "Hi there, does the Heron come with pedals, or do I need to buy them separately?",
+    "My order LC-51907 was meant to arrive yesterday and nothing came. Postcode LS6 2AB, email "
+    "priya.nair@example.org. Where is it?",
+    "Can I bring my own bike, not bought from you, to the Glasgow workshop for a Full Service?",
+    "The display on my Kestrel Gravel E shows error E-07 every time I switch it on. What does that mean?",
+    "I'm 183 cm tall. Which size Osprey Trail should I get, and do you have one in Bristol?",
+    "Is it safe to leave my e-bike battery charging overnight in the hallway?",
+    "I bought a Swift Fold three weeks ago and the folding hinge creaks. Is that covered?",
+    "Do you deliver complete bikes to Northern Ireland, and how long does it take?",
+)
+"""Each customer's first message: one a conversation, in order."""
+
+
+def conversations_trace() -> Trace:
+    system, tools = system_prompt(), tool_specs(*CONVERSATION_TOOLS)
+    turns = [Turn([{"role": "system", "content": system}, _user(question)], json.loads(json.dumps(tools)), k)
+             for k, question in enumerate(CONVERSATION_QUESTIONS)]
+    return Trace("conversations", "a new conversation each request: the same system prompt and eight tools, another "
+                 "customer's first question", turns)
+
+
 BUILDERS = {"clock": clock_trace, "memory": memory_trace, "cleared": cleared_trace, "summary": summary_trace,
-            "tools": tools_trace}
+            "tools": tools_trace, "conversations": conversations_trace}
 
 
 def trace(name: str, turns: int | None = None) -> Trace:
@@ -752,5 +783,6 @@ def tool_call_ids(messages: list[Message]) -> tuple[list[str], list[str]]:
     return calls, results
 
 
-__all__ = ["CLEARED", "CLEAR_FROM", "KEEP_RESULTS", "SUMMARY_PREFIX", "SUMMARY_TURN", "TOOL_SPECS", "TRACES", "TURNS",
-           "Trace", "Turn", "handbook", "render_chatml", "system_prompt", "tool_call_ids", "trace"]
+__all__ = ["CLEARED", "CLEAR_FROM", "CONVERSATION_QUESTIONS", "CONVERSATION_TOOLS", "KEEP_RESULTS", "SUMMARY_PREFIX",
+           "SUMMARY_TURN", "TOOL_SPECS", "TRACES", "TURNS", "Trace", "Turn", "handbook", "render_chatml",
+           "system_prompt", "tool_call_ids", "trace"]

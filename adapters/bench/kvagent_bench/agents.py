@@ -4,14 +4,21 @@ between turns, driven only through the official ``openai`` client, as a user of 
 The traces (:mod:`kvagent_bench.agent_traces`): ``clock`` (the time on the system prompt's second line), ``memory``
 (a Letta-style memory block edited by a tool), ``cleared`` (old tool results replaced by ``[cleared]``),
 ``summary`` (the oldest turns replaced by a summary) and ``tools`` (a different subset of tools bound each turn);
-8 turns each, the first cold. Every request is the whole message list (and ``tools``), fixed in the trace, so every
-engine gets the same requests; the model's replies are read and thrown away.
+8 turns each, the first cold; and ``conversations`` (8 new conversations, each one request with the same system
+prompt and eight tools and another first question). Every request is the whole message list (and ``tools``), fixed
+in the trace, so every engine gets the same requests; the model's replies are read and thrown away.
 
 Arms, each started fresh on 127.0.0.1 for each trace, with an 8,192-token context and one unmeasured warm-up
 request ("Hello", 1 token):
 
 - ``kvagent``: ``kvagent serve --n-ctx 8192`` (its other settings the defaults); the session is keyed by the
-  request's ``prompt_cache_key`` (``f"{trace}-agent"``);
+  request's ``prompt_cache_key`` (``f"{trace}-agent"``; ``f"{trace}-agent-{n}"`` for the trace's conversation
+  ``n`` > 0, so each conversation of ``conversations`` has its own key);
+- ``kvagent-keyless``: the same server sent the same requests with no session key (no ``prompt_cache_key``, no
+  ``user``, no ``X-KVAgent-Session``): each request runs on a temporary session whose cells are retained when it
+  ends, so a later request reuses them as a shared prefix or resumes that conversation. Its server logs at INFO,
+  and each row's ``resumed`` is the tokens the server's log says it kept from a resumed retained conversation
+  (0: none was resumed; None on the other arms);
 - ``llama-server`` / ``llama-server reuse``: llama.cpp's own server (``make llama-server``; skipped, saying so,
   when it is not built), one slot, ``-c 8192``, prompt caching on (its default), without and with
   ``--cache-reuse 256``; GGUF's own chat template (Jinja), or llama.cpp's built-in one without Jinja for a GGUF
@@ -24,10 +31,10 @@ request ("Hello", 1 token):
 
 The OpenAI arms send ``client.chat.completions.create(model, messages, tools (when the turn binds any),
 max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
-extra_body={"prompt_cache_key": ...})``. Per turn: ``ttft_s`` (request to the first content or tool-call delta;
-the end of the stream when none came), ``wall_s`` (request to the end of the stream), ``prompt_tokens`` and
-``cached`` (``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``, as each server reports
-them), ``computed`` = prompt - cached; llama-server's own count of prompt tokens it processed
+extra_body={"prompt_cache_key": ...})`` (no ``extra_body`` on the keyless arm). Per turn: ``ttft_s`` (request to
+the first content or tool-call delta; the end of the stream when none came), ``wall_s`` (request to the end of the
+stream), ``prompt_tokens`` and ``cached`` (``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``,
+as each server reports them), ``computed`` = prompt - cached; llama-server's own count of prompt tokens it processed
 (``timings.prompt_n``) is kept as ``server_computed``. ``summary``: per arm and trace, medians over the changed
 turns (1 on).
 """
@@ -35,6 +42,7 @@ turns (1 on).
 from __future__ import annotations
 
 
+import re
 import sys
 import tempfile
 import time
@@ -48,7 +56,7 @@ from kvagent_bench.common import RESULTS_DIR, median, read_results, write_json
 N_CTX = 8192
 MAX_TOKENS = 8
 REUSE = 256  # llama-server --cache-reuse: the chunk size its README and its server tests use
-TARGETS = ("kvagent", "llama-server", "llama-cpp-python")
+TARGETS = ("kvagent", "kvagent-keyless", "llama-server", "llama-cpp-python")
 WARMUP = [{"role": "user", "content": "Hello"}]
 
 
@@ -57,10 +65,24 @@ class Arm:
     name: str
     target: str
     cache_reuse: int = 0
+    keyed: bool = True
+    """Whether the requests carry a session key (``prompt_cache_key``)."""
 
 
-ARMS = (Arm("kvagent", "kvagent"), Arm("llama-server", "llama-server"),
-        Arm("llama-server reuse", "llama-server", REUSE), Arm("llama-cpp-python", "llama-cpp-python"))
+ARMS = (Arm("kvagent", "kvagent"), Arm("kvagent-keyless", "kvagent-keyless", keyed=False),
+        Arm("llama-server", "llama-server"), Arm("llama-server reuse", "llama-server", REUSE),
+        Arm("llama-cpp-python", "llama-cpp-python"))
+SERVE_TARGETS = ("kvagent", "kvagent-keyless")
+RESUMED = re.compile(r"resumed a retained conversation of \d+ tokens \(seq \d+\): (\d+) of \d+ tokens kept")
+"""The server's INFO line when a new session resumes a retained conversation (its group: the tokens kept)."""
+
+
+def session_key(arm: Arm, trace_name: str, turn: Turn) -> str | None:
+    """The ``prompt_cache_key`` ``arm`` sends with ``turn`` of ``trace_name``: one key per conversation of the trace,
+    None on a keyless arm."""
+    if not arm.keyed:
+        return None
+    return f"{trace_name}-agent" + (f"-{turn.conversation}" if turn.conversation else "")
 
 
 def default_json(model: str) -> Path:
@@ -76,6 +98,8 @@ def settings(model: str) -> dict[str, str]:
     return {
         "kvagent": f"kvagent serve --n-ctx {N_CTX} (other settings its defaults), sessions keyed by prompt_cache_key; "
                    f"{common}",
+        "kvagent-keyless": f"kvagent serve --n-ctx {N_CTX} --log-level info (other settings its defaults), no session "
+                           f"key (a temporary session per request, its cells retained); {common}",
         "llama-server": f"{server}; {common}",
         "llama-server reuse": f"{server}, --cache-reuse {REUSE}; {common}",
         "llama-cpp-python": f"llama_cpp.Llama(n_ctx={N_CTX}).create_chat_completion in process (the backend "
@@ -84,13 +108,17 @@ def settings(model: str) -> dict[str, str]:
 
 
 # -- one turn through the openai client ----------------------------------------------------------------------
-def openai_turn(client: Any, model: str, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    """Send ``turn`` as a streamed chat completion and read it to the end: the per-turn measurements."""
+def openai_turn(client: Any, model: str, key: str | None, turn: Turn, max_tokens: int = MAX_TOKENS
+                ) -> dict[str, Any]:
+    """Send ``turn`` as a streamed chat completion (keyed by ``prompt_cache_key`` ``key``; None: no key) and read it
+    to the end: the per-turn measurements."""
     options: dict[str, Any] = {"tools": turn.tools} if turn.tools else {}
+    if key is not None:
+        options["extra_body"] = {"prompt_cache_key": key}
     start = time.perf_counter()
     stream = client.chat.completions.create(
         model=model, messages=turn.messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"prompt_cache_key": key}, **options)
+        stream_options={"include_usage": True}, **options)
     first: float | None = None
     usage: Any = None
     timings: dict[str, Any] | None = None
@@ -133,21 +161,27 @@ def openai_client(base_url: str) -> Any:
 
 # -- the arms ------------------------------------------------------------------------------------------------
 class ServeArm:
-    """``kvagent serve`` in a child process."""
+    """``kvagent serve`` in a child process; with ``log_resumes`` it logs at INFO and each turn reports the tokens
+    its log says were kept from a resumed retained conversation (``resumed``)."""
 
-    def __init__(self, model: str, log_dir: Path) -> None:
+    def __init__(self, model: str, log_dir: Path, log_resumes: bool = False) -> None:
         from kvagent_bench.server.processes import free_port, start_process
 
         port = free_port()
         self.base = f"http://127.0.0.1:{port}"
+        self.log = log_dir / f"serve-{port}.log" if log_resumes else None
         args = [sys.executable, "-m", "kvagent.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--model", model, "--n-ctx", str(N_CTX), "--log-level", "warning"]
+                "--model", model, "--n-ctx", str(N_CTX), "--log-level", "info" if log_resumes else "warning"]
         self.proc = start_process(args, f"{self.base}/health", log_dir / f"serve-{port}.log")
         self.client = openai_client(f"{self.base}/v1")
         self.model = self.client.models.list().data[0].id
 
-    def turn(self, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-        return openai_turn(self.client, self.model, key, turn, max_tokens)
+    def turn(self, key: str | None, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        if self.log is None:
+            return openai_turn(self.client, self.model, key, turn, max_tokens)
+        before = len(resumes(self.log.read_text(errors="replace")))
+        got = openai_turn(self.client, self.model, key, turn, max_tokens)
+        return {**got, "resumed": sum(resumes(self.log.read_text(errors="replace"))[before:])}
 
     def close(self) -> None:
         from kvagent_bench.server.processes import stop_process
@@ -170,7 +204,7 @@ class LlamaServerArm:
         self.client = openai_client(self.server.v1)
         self.model = self.server.config.name
 
-    def turn(self, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    def turn(self, key: str | None, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
         sent = turn if self.tools else replace(turn, tools=None)
         return openai_turn(self.client, self.model, key, sent, max_tokens)
 
@@ -188,7 +222,7 @@ class LlamaCppPythonArm:
 
         self.chat = baseline_chat("llama.cpp", resolve_model(model).path, n_ctx=N_CTX)
 
-    def turn(self, key: str, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    def turn(self, key: str | None, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
         reply = self.chat.reply(turn.messages, max_tokens, tools=turn.tools or None)
         prompt = int(reply.prompt_tokens)
         return {"prompt_tokens": prompt, "cached": prompt - int(reply.computed), "computed": int(reply.computed),
@@ -200,9 +234,14 @@ class LlamaCppPythonArm:
         self.chat.close()
 
 
+def resumes(log: str) -> list[int]:
+    """The tokens kept by each resumed retained conversation a server's INFO log reports, in order."""
+    return [int(m.group(1)) for m in RESUMED.finditer(log)]
+
+
 def start_arm(arm: Arm, model: str, log_dir: Path) -> Any:
-    if arm.target == "kvagent":
-        return ServeArm(model, log_dir)
+    if arm.target in SERVE_TARGETS:
+        return ServeArm(model, log_dir, log_resumes=not arm.keyed)
     if arm.target == "llama-server":
         return LlamaServerArm(model, log_dir, arm.cache_reuse)
     return LlamaCppPythonArm(model)
@@ -230,12 +269,13 @@ def run_trace(arm: Arm, model: str, tr: Trace, log_dir: Path, progress: Callable
     runner = start_arm(arm, model, log_dir)
     rows = [] if rows is None else rows
     try:
-        runner.turn(f"{tr.name}-warmup", Turn([dict(m) for m in WARMUP]), max_tokens=1)
+        runner.turn(f"{tr.name}-warmup" if arm.keyed else None, Turn([dict(m) for m in WARMUP]), max_tokens=1)
         for k, turn in enumerate(tr.turns):
             progress(f"{arm.name} {tr.name}: turn {k + 1}/{len(tr.turns)}")
-            got = runner.turn(f"{tr.name}-agent", turn)
+            got = runner.turn(session_key(arm, tr.name, turn), turn)
             rows.append({"arm": arm.name, "target": arm.target, "trace": tr.name, "turn": k, "changed": k > 0,
-                         "messages": len(turn.messages), "tools": len(turn.tools or ()), **got})
+                         "conversation": turn.conversation, "messages": len(turn.messages),
+                         "tools": len(turn.tools or ()), "resumed": None, **got})
     finally:
         runner.close()
     return rows
@@ -243,8 +283,9 @@ def run_trace(arm: Arm, model: str, tr: Trace, log_dir: Path, progress: Callable
 
 # -- summary, JSON, plot -------------------------------------------------------------------------------------
 def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per arm and trace: medians over the changed turns (computed, cached share, TTFT, wall), the cold turn, and
-    the TTFT and computed ratios to kvagent's on the same trace; per arm, the same medians over all traces."""
+    """Per arm and trace: medians over the changed turns (computed, cached share, TTFT, wall), the hit rate over them
+    (cached / prompt tokens, summed), the tokens each turn resumed (keyless arm), the cold turn, and the TTFT and
+    computed ratios to kvagent's on the same trace; per arm, the same medians over all traces."""
     out: dict[str, Any] = {}
     arms = [a.name for a in ARMS if any(r["arm"] == a.name for r in rows)]
     for arm in arms:
@@ -261,6 +302,9 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "prompt_median": median([r["prompt_tokens"] for r in changed]),
                 "cached_share_median": median([(r["cached"] or 0) / r["prompt_tokens"] for r in changed
                                                if r["prompt_tokens"]]),
+                "hit_rate": (sum(r["cached"] or 0 for r in changed) / sum(r["prompt_tokens"] for r in changed)
+                             if sum(r["prompt_tokens"] for r in changed) else None),
+                "resumed_per_turn": [r.get("resumed") for r in turns],
                 "ttft_s_median": median([r["ttft_s"] for r in changed]),
                 "wall_s_median": median([r["wall_s"] for r in changed]),
                 "cold_computed": cold["computed"] if cold else None,
@@ -378,5 +422,5 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, model: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["ARMS", "MAX_TOKENS", "N_CTX", "TARGETS", "Arm", "default_json", "openai_turn", "plot", "run", "settings",
-           "summarise"]
+__all__ = ["ARMS", "MAX_TOKENS", "N_CTX", "TARGETS", "Arm", "default_json", "openai_turn", "plot", "resumes", "run",
+           "session_key", "settings", "summarise"]

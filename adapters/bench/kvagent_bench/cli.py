@@ -451,17 +451,23 @@ def bench_recompute(
 
 @app.command("agents")
 def bench_agents(
-    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m or gemma3-270m."),
-    targets: str = typer.Option(None, help="Engines, comma-separated: kvagent (kvagent serve), llama-server "
+    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m, gemma3-270m or qwen2.5-coder-0.5b."),
+    targets: str = typer.Option(None, help="Engines, comma-separated: kvagent (kvagent serve, keyed by "
+                                "prompt_cache_key), kvagent-keyless (kvagent serve, no session key), llama-server "
                                 "(llama.cpp's server, `make llama-server`; two arms: prompt cache, and --cache-reuse "
                                 "256), llama-cpp-python (in process) [default: all]. With --langchain: middleware, "
                                 "chat-model, recompute, llama-server [default: all]."),
-    traces: str = typer.Option(None, help="Agent traces, comma-separated [default: clock,memory,cleared,summary,tools; "
+    traces: str = typer.Option(None, help="Agent traces, comma-separated [default: clock,memory,cleared,summary,tools,"
+                               "conversations; "
                                "with --langchain: dynamic,context,summary,tools]."),
-    turns: int = typer.Option(8, min=1, max=8, help="Turns of each trace (the first is cold)."),
+    turns: int = typer.Option(8, min=1, max=8, help="Turns of each trace (the first is cold); with --framework, the "
+                              "number of agent tasks."),
     langchain: bool = typer.Option(False, "--langchain", help="LangChain v1 agents (create_agent) with their own "
                                    "middlewares, on kvagent with and without KVCacheMiddleware and on llama-server "
                                    "(ChatOpenAI), and a thread resumed from KVCheckpointer."),
+    framework: str = typer.Option(None, help="An agent framework driving kvagent serve with no session key: "
+                                  "openai-agents (the OpenAI Agents SDK: `pip install kvagent-bench[agents]`); prompt "
+                                  "and cached tokens per request, wall time per task."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
                                    "bench/results/agents-<model>.json, or agents-langchain-<model>.json; rows of other "
                                    "arms and traces are kept)."),
@@ -469,18 +475,21 @@ def bench_agents(
     """Agents that change their own prompt between turns (the time line, a memory block, cleared tool results, a
     summary, the tools bound), sent through the openai client: prompt tokens each engine computes and TTFT per turn."""
     from kvagent.models import REGISTRY
-    from kvagent_bench import agents
+    from kvagent_bench import agent_traces, agents
 
     if model not in REGISTRY:
         console.print(f"[red]error:[/] unknown model {model!r}: use {', '.join(REGISTRY)}")
         raise typer.Exit(2)
     names = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    if framework:
+        _bench_framework_agents(model, framework, turns, json_path)
+        return
     if langchain:
         _bench_langchain_agents(model, names(targets or ",".join(lc_arms())), names(traces or ",".join(lc_traces())),
                                 json_path)
         return
-    targets = targets or "kvagent,llama-server,llama-cpp-python"
-    traces = traces or "clock,memory,cleared,summary,tools"
+    targets = targets or ",".join(agents.TARGETS)
+    traces = traces or ",".join(agent_traces.TRACES)
     json_path = json_path or agents.default_json(model)
     with console.status("agents benchmark") as status:
         try:
@@ -493,16 +502,47 @@ def bench_agents(
     agents.plot(doc["rows"], plot_path, model)
     fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
     table = [[arm, name, " ".join(str(c) for c in v["computed_per_turn"]), fmt(v["computed_median"], ".0f"),
-              fmt(v["cached_share_median"], ".2f"), fmt(v["ttft_s_median"] * 1e3, ".0f"),
+              fmt(v.get("hit_rate"), ".2f"), fmt(v["ttft_s_median"] * 1e3, ".0f"),
               fmt(v.get("ttft_vs_kvagent"), ".1f"), fmt(v["cold_ttft_s"] * 1e3 if v["cold_ttft_s"] else None, ".0f")]
              for arm, per in doc["summary"].items() for name, v in per.items() if name != "all"]
     print_table(f"tokens computed and TTFT per turn, {model} ({json_path}, {plot_path})",
-                ("arm", "trace", "computed per turn", "median computed", "cached share", "TTFT ms",
+                ("arm", "trace", "computed per turn", "median computed", "hit rate", "TTFT ms",
                  "TTFT / kvagent's", "cold TTFT ms"), table)
     console.print("medians over the changed turns (1 on); computed = prompt_tokens - cached_tokens as each engine "
-                  "reports them")
+                  "reports them; hit rate = cached / prompt tokens over the changed turns")
     for key, message in doc["errors"].items():
         console.print(f"[red]{key}:[/] {message[:300]}")
+
+
+def _bench_framework_agents(model: str, framework: str, tasks: int, json_path: Path | None) -> None:
+    import importlib.util
+
+    from kvagent_bench import oa_agents
+
+    if framework not in oa_agents.FRAMEWORKS:
+        console.print(f"[red]error:[/] unknown framework {framework!r}: use {', '.join(oa_agents.FRAMEWORKS)}")
+        raise typer.Exit(2)
+    if importlib.util.find_spec("agents") is None:
+        console.print("[red]error:[/] the OpenAI Agents SDK is not installed: pip install 'kvagent-bench[agents]'")
+        raise typer.Exit(2)
+    json_path = json_path or oa_agents.default_json(model)
+    with console.status("openai-agents benchmark") as status:
+        try:
+            doc = oa_agents.run(model, tasks, json_path, command_line(), progress=lambda m: status.update(m))
+        except ValueError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from exc
+    fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
+    print_table(f"OpenAI Agents SDK on kvagent serve, no session key, {model} ({json_path})",
+                ("task", "call", "messages", "prompt", "cached", "computed", "X-KVAgent-Cache", "resumed", "wall ms"),
+                [[*(str(r[k]) for k in ("task", "call", "messages", "prompt_tokens", "cached", "computed", "how")),
+                  fmt(r["resumed"], "d"), fmt(r["wall_s"] * 1e3, ".0f")] for r in doc["rows"]])
+    s = doc["summary"]
+    console.print(f"after the first request: median computed {fmt(s['computed_median'], '.0f')} of "
+                  f"{fmt(s['prompt_median'], '.0f')} prompt tokens, hit rate {fmt(s['hit_rate'], '.2f')}, median "
+                  f"request {fmt(s['request_wall_s_median'] * 1e3, '.0f')} ms; median task "
+                  f"{fmt(s['task_wall_s_median'], '.1f')} s; tasks ended {', '.join(s['ended'])}; any request keyed: "
+                  f"{s['any_keyed']}")
 
 
 def lc_arms() -> tuple[str, ...]:
@@ -589,7 +629,7 @@ def bench_proxy_fidelity(
 
 @app.command("implicit")
 def bench_implicit(
-    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m or gemma3-270m."),
+    model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m, gemma3-270m or qwen2.5-coder-0.5b."),
     traces: str = typer.Option("clock,memory,cleared,summary,tools", help="Agent traces, comma-separated."),
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
                                    "bench/results/implicit-<model>.json)."),
