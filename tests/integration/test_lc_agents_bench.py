@@ -39,8 +39,8 @@ def test_one_question_runs_on_kvagents_arms(monkeypatch: pytest.MonkeyPatch) -> 
         calls = lc.run_trace(arm, "tools", model, base, f"bench-{arm}")["calls"]
         assert [c["tool_calls"] > 0 for c in calls] == [True, False]  # the script: a call, then the answer
         second[arm] = calls[1]
-        for key in model.session_ids():
-            model.close_session(key)
+        for key in model.session_ids():  # the next arm starts from nothing this one left
+            model.close_session(key, retain=False)
     # the middleware computes the result and the new turn; the recompute arm everything after the shared prefix
     # (the tool subset changed with the question: the selected tools' specs and all after them)
     assert second["middleware"]["computed"] < second["middleware"]["prompt_tokens"] / 4

@@ -208,8 +208,8 @@ def _first_chunk(first: dict[str, float | None]) -> Any:
 
 
 class Cold:
-    """The ``recompute`` arm: the thread's session closed before each call, so each prompt is prefilled again (an
-    exact prefix held by another session is shared, as any prefix cache does; nothing is spliced or moved)."""
+    """The ``recompute`` arm: the thread's session closed (not retained) before each call, so each prompt is
+    prefilled again (an exact prefix held by another live session is shared; nothing is spliced or moved)."""
 
     @staticmethod
     def middleware(model: Any) -> Any:
@@ -219,7 +219,7 @@ class Cold:
         class Closing(AgentMiddleware):
             def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
                 thread = str((ensure_config().get("configurable") or {}).get("thread_id"))
-                model.close_session(thread)
+                model.close_session(thread, retain=False)
                 return handler(request)
 
         return Closing()
@@ -267,12 +267,12 @@ def resume(name: str, base: str) -> dict[str, Any]:
     saver = done["saver"]
     before = model.session("resume").logits()
     held = len(model.session("resume").rendered.tokens)
-    model.close_session("resume")
+    model.close_session("resume", retain=False)  # each way below starts from what it restores, nothing else
     restored = _kv_model(name)
     snapshot = saver.snapshot("resume", restored)
     restored.conversations.apply("resume", lambda e: ops.restore(e, snapshot))
     after = restored.session("resume").logits()
-    restored.close_session("resume")
+    restored.close_session("resume", retain=False)
     out: dict[str, Any] = {"held_tokens": held, "logits_equal": bool(np.array_equal(before, after)),
                            "logits_max_abs_diff": float(np.max(np.abs(before - after)))}
     for way in ("checkpointer", "cold"):
@@ -287,7 +287,7 @@ def resume(name: str, base: str) -> dict[str, Any]:
                      {"configurable": {"thread_id": "resume"}, "recursion_limit": 12, "callbacks": [_first_chunk(first)]})
         out[way] = {"first_call": rows[0], "wall_s": time.perf_counter() - start,
                     "restored": kv.calls("resume")[0].restored}
-        fresh.close_session("resume")
+        fresh.close_session("resume", retain=False)
     out["ttft_x"] = out["cold"]["first_call"]["ttft_s"] / out["checkpointer"]["first_call"]["ttft_s"]
     return out
 
@@ -337,8 +337,8 @@ def run(name: str, arms: Sequence[str], traces: Sequence[str], json_path: Path, 
                     log(f"{arm}/{trace} failed: {errors[f'{arm}/{trace}']}")
                 save()
                 if arm != "llama-server":
-                    for key in model.session_ids():
-                        model.close_session(key)
+                    for key in model.session_ids():  # the next arm starts from nothing this one left
+                        model.close_session(key, retain=False)
             if server is not None:
                 server.close()
                 server = None

@@ -319,9 +319,11 @@ class ChatKVAgent(BaseChatModel):
         """What the latest generation on session ``key`` cost (None before the first)."""
         return next(reversed(self.turns(key)), None)
 
-    def close_session(self, key: str | None = None) -> bool:
-        """Close session ``key`` and forget its conversation; False if it was not open."""
-        return self.conversations.close(key)
+    def close_session(self, key: str | None = None, *, retain: bool = True) -> bool:
+        """Close session ``key`` and forget its conversation; False if it was not open. Its KV is retained for later
+        sessions of the engine (a new session id, a new thread) unless ``retain`` is False (docs/runtime.md, "How
+        long KV lives")."""
+        return self.conversations.close(key, retain=retain)
 
     # -- fields, skills, eviction, save and load: one operation each, a sync and an async driver ------
     def field_values(self, session_id: str | None = None) -> dict[str, object]:

@@ -210,5 +210,5 @@ class Conversations:
         found = self.find(key)
         return list(found.turns) if found is not None else []
 
-    def close(self, key: str | None) -> bool:
-        return self.slot().close_entry(self.owner, DEFAULT_SESSION if key is None else str(key))
+    def close(self, key: str | None, *, retain: bool = True) -> bool:
+        return self.slot().close_entry(self.owner, DEFAULT_SESSION if key is None else str(key), retain=retain)

@@ -180,8 +180,9 @@ class EngineSlot:
         entry.conversation.forget()
         return entry.session
 
-    def close_entry(self, owner: str, key: str) -> bool:
-        """Close and forget one session; False if there is none."""
+    def close_entry(self, owner: str, key: str, *, retain: bool = True) -> bool:
+        """Close and forget one session (its cells retained for later sessions unless ``retain`` is False); False if
+        there is none."""
         entry = self.find(owner, key)
         if entry is None:
             return False
@@ -190,7 +191,7 @@ class EngineSlot:
         try:
             session = entry.forget()
             if session is not None:
-                session.close()
+                session.close(retain=retain)
         finally:
             entry.lock.release()
         return True

@@ -311,7 +311,12 @@ def test_a_thread_resumed_from_sqlite_restores_its_kv(tmp_path: Path) -> None:
         third = chat_model("smollm2-135m")
         kv, probe = _resume(third, saver, "resumed")
         third.close_session("resumed")
-        cold_kv, cold = _resume(chat_model("smollm2-135m"), inner, "resumed", kv=False)
+        cold_model = chat_model("smollm2-135m")
+        engine = cold_model.load_engine()  # a cold reference: nothing earlier sessions left behind
+        engine.pool.clear_retained()
+        if engine.tiers is not None:
+            engine.tiers.clear()
+        cold_kv, cold = _resume(cold_model, inner, "resumed", kv=False)
     assert kv.calls("resumed")[0].restored
     assert probe.rows[0]["computed"] <= probe.rows[0]["changed"] + SLACK < held / 4, probe.rows
     assert cold.rows[0]["computed"] > held / 2, cold.rows

@@ -91,7 +91,7 @@ def test_a_new_session_id_starts_from_a_conversation_seen_before(closed: bool) -
     """A new conversation (a new session_id, as a new LangGraph thread) with the system prompt seen before computes
     its own message only: the earlier session's cells are shared, live or retained after close_session. A resent
     history whose clock line changed resumes the closed conversation and edits the line in place."""
-    m = model(policy=POLICY)
+    m = model(policy=POLICY, n_seq_max=6)  # an engine of its own: no other test's sessions hold its sequences
     system = SystemMessage("Customer: Alice Moreau, gold member.\nCurrent time: 10:05\n" +
                            " ".join(f"Rule {i}: reply politely about order type {i}." for i in range(12)))
     first = m.invoke([system, HumanMessage("Can I still cancel my order?")], session_id=f"a-{closed}")
