@@ -227,7 +227,7 @@ class Session:
             kept_here = self._kept(self.rendered, self._segments, first)
         else:
             kept_here = cache.pool.index.match(first.tokens, exclude=cache.seq, scope=cache.scope)[1]
-        if kept_here + RESUME_GAIN > len(first.tokens):  # nothing retained can beat it
+        if len(first.tokens) - kept_here < 2 * RESUME_GAIN:  # at most that little to compute: not worth a search
             return segments
         candidates = [r for r in reversed(cache.pool.retained) if r.scope == cache.scope
                       and isinstance(r.memo, Resume) and r.memo.renderer is self.renderer
