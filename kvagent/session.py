@@ -26,6 +26,7 @@ from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedErro
 from kvagent.fields import check_changes
 from kvagent.generation import Decoder, Generation, GenerationStream, ReplyTokens, generation_work, start_stream
 from kvagent.kv.persist import restore_blob, save_blob
+from kvagent.kv.pool import Retained
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.rebase import plan as plan_rebase
 from kvagent.kv.rebase import rebase
@@ -246,9 +247,14 @@ class Session:
             return segments
         memo = best.memo
         if own:
-            self._leave()
+            cache.pool.touch(best.seq)  # the most recently used: taking a sequence for what is left gives back another
+            self._leave(best)
             cache.cut(0)
-        cache.adopt(best, len(memo.rendered.tokens))
+        try:
+            cache.adopt(best, len(memo.rendered.tokens))
+        except KVAgentError as exc:  # given back meanwhile: the prompt is computed as it would be without it
+            log.warning("seq %d could not resume retained seq %d (%s)", cache.seq, best.seq, exc)
+            return segments
         self._segments, self._rendered = list(memo.segments), memo.rendered
         self._resumed = len(memo.rendered.tokens)
         log.info("seq %d resumed a retained conversation of %d tokens (seq %d): %d of %d tokens kept (its own cache "
@@ -261,10 +267,11 @@ class Session:
         hunks, _, why = plan_rebase(old, new, **self._rebase_options(segments))
         return common_prefix(old.tokens, new.tokens) if why is not None else len(new.tokens) - sum(h.added for h in hunks)
 
-    def _leave(self) -> None:
-        """Retain a copy of this session's conversation (its cells shared, not copied) before it goes."""
+    def _leave(self, keep: Retained | None = None) -> None:
+        """Retain a copy of this session's conversation (its cells shared, not copied) before it goes; not where that
+        would take the sequence of ``keep`` (the retained conversation about to be resumed)."""
         cache, pool = self.cache, self.cache.pool
-        if not pool.free:
+        if not pool.can_take(excluding=keep.seq if keep is not None else None):
             return
         seq = pool.take("a conversation left behind")
         pool.share(cache.seq, seq, 0, len(cache.tokens))

@@ -82,6 +82,11 @@ class SequencePool:
         """How many sequences can be taken now: the free ones and the retained ones (given back on demand)."""
         return len(self._free) + len(self._retained)
 
+    def can_take(self, *, excluding: int | None = None) -> bool:
+        """Whether :meth:`take` would succeed without giving back the retained sequence ``excluding``."""
+        with self.lock:
+            return bool(self._free) or any(seq != excluding for seq in self._retained)
+
     @property
     def held(self) -> int:
         return len(self._held)

@@ -188,3 +188,28 @@ def test_a_prefix_given_back_is_restored_from_host_memory_within_its_scope(tmp_p
         s.close()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("n_seq_max", [3, 4])  # 3: no sequence is left to keep the conversation it leaves
+def test_a_live_session_resumes_a_retained_conversation_whatever_sequences_are_left(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_seq_max: int) -> None:
+    monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path / "cache"))
+    engine = make(tmp_path, n_seq_max=n_seq_max)
+    backend: FakeBackend = engine.backend  # type: ignore[assignment]
+    try:
+        other = engine.session([Segment.policy("someone else entirely")], chat=False)
+        other.prefill()
+        conversation = [Segment.policy(POLICY * 2), Segment.user("first question"), Segment.assistant("an answer")]
+        with engine.session(chat=False) as before:
+            before.generate(2, segments=conversation)
+        own = engine.session(chat=False)
+        own.generate(2, segments=[Segment.policy("a side task, nothing in common " * 4), Segment.user("go")])
+        back = own.generate(2, segments=[*conversation, Segment.user("second question")])
+        assert back.resumed > 0 and back.computed < 12
+        assert own.tokens == own.rendered.tokens and backend.seq_positions(own.seq) == list(range(len(own.tokens)))
+        left = [r for r in engine.pool.retained if r.memo is not None and r.memo.segments[0].text.startswith("a side")]
+        assert len(left) == (1 if n_seq_max == 4 else 0)  # the side conversation kept where a sequence was left
+        for s in (own, other):
+            s.close()
+    finally:
+        engine.close()
