@@ -228,9 +228,9 @@ class Session:
             kept_here = self._kept(self.rendered, self._segments, first)
         else:
             kept_here = cache.pool.index.match(first.tokens, exclude=cache.seq, scope=cache.scope)[1]
-        if len(first.tokens) - kept_here < 2 * RESUME_GAIN:  # at most that little to compute: not worth a search
-            return segments
-        candidates = [r for r in reversed(cache.pool.retained) if r.scope == cache.scope
+        # at most that little left to compute: not worth a search
+        searched = len(first.tokens) - kept_here >= 2 * RESUME_GAIN
+        candidates = [r for r in reversed(cache.pool.retained) if searched and r.scope == cache.scope
                       and isinstance(r.memo, Resume) and r.memo.renderer is self.renderer
                       and r.tokens[:len(r.memo.rendered.tokens)] == r.memo.rendered.tokens][:RESUME_CANDIDATES]
         best, best_kept, best_segments = None, kept_here + RESUME_GAIN, segments
