@@ -108,6 +108,7 @@ def test_include_transplants_and_matches_a_recompute(engine: Engine, compiled: S
     assert int(reference.argmax()) in np.argsort(-ours)[:5]
 
 
+@pytest.mark.full  # 43 s: the fast tier's slowest case
 def test_transplant_behind_its_own_sink_is_exact(engine: Engine, compiled: SkillLibrary) -> None:
     """With only the sink before it (no RoPE shift, no missing context) a transplant equals a prefill."""
     empty = Segment.policy("")  # renders to the very tokens skills are compiled behind
