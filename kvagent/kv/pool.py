@@ -129,9 +129,7 @@ class SequencePool:
             if not self.retains or not tokens:
                 self.release(seq)
                 return
-            if self.backend.seq_pos_range(seq)[1] >= len(tokens):  # cells past them: never reused
-                self.backend.seq_rm(seq, len(tokens), -1)
-                self.cut(seq, len(tokens))
+            self._trim(seq, len(tokens))  # cells past them: never reused
             self._held.discard(seq)
             self._retained[seq] = Retained(seq, tuple(tokens), scope, frozenset(stale), memo)
             log.debug("seq %d retained: %d tokens", seq, len(tokens))
@@ -170,12 +168,17 @@ class SequencePool:
         if n < TIER_MIN_TOKENS or not self.backend.capabilities.state_save:
             return
         try:
-            if self.backend.seq_pos_range(seq)[1] >= n:
-                self.backend.seq_rm(seq, n, -1)
+            self._trim(seq, n)
             blob = KVBlob(self.fingerprint, self.backend.format, retained.tokens[:n], self.backend.seq_save(seq))
             self.tiers.put(blob.tokens, retained.scope, blob.to_bytes())  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - a tier is a cache: failing to fill it loses nothing live
             log.warning("retained seq %d could not be stored in the tiers (%s): dropped", seq, exc)
+
+    def _trim(self, seq: int, n: int) -> None:
+        """Remove ``seq``'s cells at positions ``n`` and later (it shares nothing from there)."""
+        if self.backend.seq_pos_range(seq)[1] >= n:
+            self.backend.seq_rm(seq, n, -1)
+            self.cut(seq, n)
 
     def clear_retained(self) -> int:
         """Give back every retained sequence, storing none in the tiers; returns how many."""
