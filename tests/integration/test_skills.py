@@ -119,8 +119,12 @@ def test_transplant_behind_its_own_sink_is_exact(engine: Engine, compiled: Skill
         assert s.prefill().transplanted > 1000
         ours = s.logits()
     reference = cold_logits(engine, segments)
-    assert cosine(ours, reference) >= 0.998
     assert logit_cosine(ours, reference) >= 0.995  # measured 0.9996 (SmolLM2), 0.9976 (Gemma-3: Q4 noise in its tail)
+    # The plain cosine only where PLAIN keeps it: SmolLM2's counts a constant shift that depends on the cells beside
+    # the compile's scratch sequence. Measured 2026-12-07: compiled alone, plain 0.9990 (shift-invariant 0.99941);
+    # compiled while another session held cells, plain 0.9945 (shift-invariant 0.99947), the reference unchanged.
+    if engine.settings.model in PLAIN:
+        assert cosine(ours, reference) >= 0.998
 
 
 @pytest.mark.slow  # 15 s; the fast tier transplants skills in the other checks of this module

@@ -3,6 +3,7 @@ collected."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -86,20 +87,44 @@ PATHS = ("tests/integration/test_session.py", "tests/integration/test_auto_edit.
          "tests/adapters/server/test_server_remote.py", "tests/adapters/server/test_proxy_engines.py")
 
 
-def collected(expression: str) -> set[str]:
-    """The ids ``pytest -m expression`` collects from :data:`PATHS` (``""``: every case)."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
-                          expression, *PATHS], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode in (0, 5), out.stdout + out.stderr  # 5: no case selected
-    return {line for line in out.stdout.splitlines() if "::" in line}
+# One process collects under each expression in turn (pytest.main again and again): the imports are paid once, not
+# once per expression (five processes took 27 s of the fast tier, one takes 5 s).
+COLLECT = """
+import json, sys
+import pytest
+sys.path.insert(0, ".")
+class Ids:
+    ids = []
+    def pytest_collection_finish(self, session):
+        self.ids = [item.nodeid for item in session.items]
+found = {}
+for expression in json.loads(sys.argv[1]):
+    ids = Ids()
+    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", expression, *sys.argv[2:]], plugins=[ids])
+    found[expression] = [int(code), ids.ids]
+print("COLLECTED " + json.dumps(found))
+"""
+
+
+def collected(*expressions: str) -> list[set[str]]:
+    """The ids ``pytest -m expression`` collects from :data:`PATHS` for each expression (``""``: every case)."""
+    out = subprocess.run([sys.executable, "-c", COLLECT, json.dumps(expressions), *PATHS], cwd=ROOT,
+                         capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("COLLECTED ")]
+    assert out.returncode == 0 and lines, out.stdout + out.stderr
+    found = json.loads(lines[-1].removeprefix("COLLECTED "))
+    assert all(code in (0, 5) for code, _ in found.values()), out.stdout + out.stderr  # 5: no case selected
+    return [set(found[expression][1]) for expression in expressions]
 
 
 @pytest.mark.skipif(SECOND not in MODELS, reason="$KVAGENT_TEST_MODELS leaves Gemma-3 out")
 def test_the_tiers_split_the_cases_and_ci_runs_neither_copies_nor_engines() -> None:
     pytest.importorskip("kvagent_server")
-    tiers = {name: collected(SELECT[name]) for name in ("fast", "full", "copies", "engines")}
+    names = ("fast", "full", "copies", "engines")
+    *split, every = collected(*(SELECT[name] for name in names), "")
+    tiers = dict(zip(names, split))
     assert all(tiers.values()), {name: len(ids) for name, ids in tiers.items()}
-    assert sum(map(len, tiers.values())) == len(set().union(*tiers.values())) == len(collected(""))
+    assert sum(map(len, tiers.values())) == len(set().union(*tiers.values())) == len(every)
     ci = tiers["fast"] | tiers["full"]
     # a model-independent check: on the first model fast, its copy on the second in the copies tier; auto's
     # cell-by-cell check (arch): both models fast
