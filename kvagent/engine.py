@@ -17,6 +17,7 @@ import uuid
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
 
+from cachetools import LRUCache
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvagent.backends.base import Backend, BackendConfig
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from kvagent.tools.spec import ToolSet
 
 log = logging.getLogger(__name__)
+RENDERERS = 256
+"""Scopes whose renderer (and its memo of tokenized segments) an engine keeps."""
 
 
 class EngineSettings(BaseModel):
@@ -170,7 +173,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool)
         self._alone_chunk = self._preemptible_chunk(settings.prefill_chunk_alone)
         self._sessions: dict[int, Session] = {}
-        self._renderers: dict[tuple[bool, str], Renderer] = {}
+        # one renderer per scope in use: a server may open a scope per cache_salt or per session key, so the least
+        # recently used are dropped (a session keeps its own; a later one of that scope tokenizes again)
+        self._renderers: LRUCache[tuple[bool, str], Renderer] = LRUCache(maxsize=RENDERERS)
+        self._renderers_lock = threading.Lock()
         self._skills: SkillLibrary | None = None
 
     def _preemptible_chunk(self, chunk: int | None) -> int | None:
@@ -277,10 +283,13 @@ class Engine:
         """The renderer of chat (or plain) prompts for ``scope``: each scope has its own memo of tokenized
         segments, so how fast a prompt renders says nothing about another scope's prompts."""
         key = (chat, scope)
-        if key not in self._renderers:
-            self._renderers[key] = Renderer(self.backend, self._chat_format() if chat else ChatFormat.plain(),
-                                            tools=self._tool_format() if chat else None)
-        return self._renderers[key]
+        with self._renderers_lock:
+            found = self._renderers.get(key)
+            if found is None:
+                found = self._renderers[key] = Renderer(self.backend,
+                                                        self._chat_format() if chat else ChatFormat.plain(),
+                                                        tools=self._tool_format() if chat else None)
+            return found
 
     @property
     def skills(self) -> SkillLibrary:

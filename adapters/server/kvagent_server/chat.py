@@ -41,7 +41,7 @@ from kvagent.openai_shape import StreamedCalls, reply_message
 from kvagent_server import front
 from kvagent_server.errors import ServerError, error_body
 from kvagent_server.front import SESSION, ChatRequest
-from kvagent_server.sessions import Entry
+from kvagent_server.sessions import Entry, salt_digest
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import Tenant
 from kvagent_server.tools import NO_TOOLS, TurnTools, chat_messages, turn_tools
@@ -107,7 +107,8 @@ async def complete(state: ServerState, tenant: Tenant, body: ChatRequest, reques
     tools = await turn_tools(state.tools(tenant), body, messages if state.config.auto_tools == "once" else None)
     kind, key = front.session_key(body, request.headers)
     stack = AsyncExitStack()
-    entry = await stack.enter_async_context(state.sessions.use(tenant, key, kind, implicit=kind != SESSION))
+    entry = await stack.enter_async_context(state.sessions.use(tenant, key, kind, implicit=kind != SESSION,
+                                                               salt=salt_digest(body.cache_salt)))
     try:
         # rendering tokenizes the whole prompt: off the event loop
         turn = await asyncio.to_thread(fit, state, entry, messages, body, tools)

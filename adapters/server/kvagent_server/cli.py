@@ -36,6 +36,11 @@ def serve(
     max_sessions: int = typer.Option(1024, help="Sessions per tenant (a keys file may set its own)."),
     max_in_flight: int = typer.Option(64, help="Requests per tenant at once (a keys file may set its own)."),
     max_parked_mb: int = typer.Option(8192, help="Parked KV per tenant on disk, MiB (a keys file may set its own)."),
+    cache_scope: str = typer.Option("tenant", help="Whose KV a session starts from: tenant (any of the tenant's, "
+                                    "narrowed by a request's cache_salt) or session (its own session key's only: "
+                                    "for users sharing a key; a keys file may set its own)."),
+    session_idle_s: int = typer.Option(86400, min=0, help="Keyed sessions unused this long are forgotten "
+                                       "(seconds; 0: never)."),
     skills: Path = typer.Option(None, "--skills", help="Folder of skill files sessions may include by name."),
     threads: int = typer.Option(0, help="llama.cpp threads (0 = all cores)."),
     flash_attn: bool = typer.Option(True, "--flash-attn/--no-flash-attn", help="Flash attention (on: many "
@@ -75,7 +80,8 @@ def serve(
                               flash_attn=flash_attn, api_key=api_key, keys_file=keys, secret_file=secret_file,
                               restore_unsigned=restore_unsigned, allowed_origins=tuple(allow_origin),
                               max_tokens=max_tokens, max_body_kb=max_body_kb, max_sessions=max_sessions,
-                              max_in_flight=max_in_flight, max_parked_mb=max_parked_mb, skills_dir=skills,
+                              max_in_flight=max_in_flight, max_parked_mb=max_parked_mb, cache_scope=cache_scope,
+                              session_idle_s=session_idle_s, skills_dir=skills,
                               park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None,
                               cache_ram_mb=cache_ram_mb, cache_disk_mb=cache_disk_mb,
                               auto_tools=auto_tools, upstream=tuple(upstream), upstream_model=upstream_model,

@@ -107,6 +107,13 @@ class TenancySettings(BaseModel):
     """Parked KV one tenant may keep on disk; beyond, its sessions park without KV (prefilled again)."""
     max_in_flight: int = Field(64, ge=1)
     """Requests of one tenant served at once; beyond, 429 with ``Retry-After``."""
+    cache_scope: Literal["tenant", "session"] = "tenant"
+    """Whose KV a session may start from: ``tenant``, any of the tenant's (narrowed per request by ``cache_salt``);
+    ``session``, only its own session key's, for a tenant whose key several users share (a keyless request then
+    reuses only what requests of the same ``cache_salt`` left, and nothing without one)."""
+    session_idle_s: int = Field(86400, ge=0)
+    """A keyed session (``POST /v1/sessions`` or a chat key) unused for this long is forgotten: its cells are
+    retained for the tenant like any closed session's, its parked file removed, and its id answers 404. 0: never."""
 
     # -- per request --------------------------------------------------------------------------------
     max_body_kb: int = Field(4096, ge=1)

@@ -52,6 +52,9 @@ class ChatRequestBase(BaseModel):
     """Only 1: a session records one reply per turn (more is refused naming ``n``)."""
     user: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    """vLLM's: KV is reused only between requests of the same salt (within the tenant); a session keeps the salt
+    of the request that made it."""
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None

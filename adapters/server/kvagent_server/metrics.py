@@ -33,6 +33,8 @@ class Metrics:
                                      registry=r)
         self.parked = Counter("kvagent_parks", "Sessions parked (saved, sequence freed).", registry=r)
         self.restored = Counter("kvagent_restores", "Parked sessions restored on their next request.", registry=r)
+        self.expired = Counter("kvagent_sessions_expired", "Keyed sessions forgotten after --session-idle-s unused.",
+                               registry=r)
         self.cancelled = Counter("kvagent_cancelled_generations", "Generations cancelled (client gone) and rolled "
                                  "back.", registry=r)
         self.layouts = Counter("kvagent_proxy_layouts", "Requests forwarded to an engine, by layout: new, append, "

@@ -15,7 +15,9 @@ What a request goes through (every refusal an OpenAI-shaped error naming the fix
    prompt that does not fit on its own is a 413, never cut.
 4. The engine: a replica picked by rendezvous hashing of the session, so a session sticks to one replica and one
    prefix cache. The request carries ``prompt_cache_key`` (the session, keyed per tenant) and vLLM's
-   ``cache_salt`` (one per tenant: tenants never share cache blocks, so one cannot time another's prompts).
+   ``cache_salt`` (one per tenant, narrowed by the request's own ``cache_salt`` and, for a tenant of
+   ``cache_scope: session``, its session key: tenants never share cache blocks, so one cannot time another's
+   prompts).
    A stream is passed through event by event as the engine writes it; tools and tool calls in the engine's own
    format. Its reply is read back by ``kvagent.openai_shape`` (``reply_of``, ``ReplyStream``).
 5. The reply joins the layout only once it is complete. An engine that fails, or stops mid-stream, leaves the
@@ -32,6 +34,7 @@ import hashlib
 import hmac
 import json
 import logging
+import secrets
 import threading
 import weakref
 from contextlib import asynccontextmanager
@@ -152,9 +155,14 @@ class Proxy:
     def _mac(self, *parts: str) -> str:
         return hmac.new(self.secret, "\0".join(parts).encode(), hashlib.sha256).hexdigest()[:32]
 
-    def salt(self, tenant: Tenant) -> str:
-        """The tenant's ``cache_salt``: the same on every replica and restart given ``--secret-file``."""
-        return self._mac("cache-salt", tenant.name)
+    def salt(self, tenant: Tenant, salt: str | None = None, key: str | None = None) -> str:
+        """The ``cache_salt`` sent for a request of ``tenant``: the tenant's, narrowed by the request's own ``salt``
+        and, for a tenant whose ``cache_scope`` is ``session``, by its session ``key`` (a keyless request without a
+        salt then gets one of its own). The same on every replica and restart given ``--secret-file``."""
+        parts = ["cache-salt", tenant.name, salt or ""]
+        if tenant.cache_scope == "session":
+            parts.append(key if key is not None or salt is not None else secrets.token_hex(16))
+        return self._mac(*parts)
 
     def upstream(self, route: str) -> Upstream:
         return max(self.upstreams, key=lambda u: u.rank(route))
@@ -233,7 +241,7 @@ class Proxy:
                                                                  tools)
             route = self._mac("route", tenant.name, key) if key is not None else self._mac(
                 "route", tenant.name, json.dumps(client[0], sort_keys=True))
-            upstream_body = self._body(tenant, body, forward, budget, route if key is not None else None)
+            upstream_body = self._body(tenant, body, forward, budget, route if key is not None else None, key)
             upstream = self.upstream(route)
             self.metrics.layouts.labels(forward.kind).inc()
             if forward.errata:
@@ -257,7 +265,7 @@ class Proxy:
                 hold.release()
 
     def _body(self, tenant: Tenant, body: ProxyRequest, forward: Forward, budget: int,
-              cache_key: str | None) -> dict[str, Any]:
+              cache_key: str | None, key: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "messages": forward.messages, "max_tokens": budget}
         for name in _PASSED:
             value = getattr(body, name)
@@ -268,7 +276,7 @@ class Proxy:
         if cache_key is not None:
             out["prompt_cache_key"] = cache_key
         if self.config.upstream_salt:
-            out["cache_salt"] = self.salt(tenant)
+            out["cache_salt"] = self.salt(tenant, body.cache_salt, key)
         if body.stream:
             out["stream"] = True
             out["stream_options"] = {"include_usage": True}

@@ -156,6 +156,9 @@ class SessionCreate(BaseModel):
     skills: list[str] = Field(default_factory=list)
     eviction: EvictionIn | None = None
     edit_strategy: Literal["erratum", "recompute", "field_only", "selective", "combined", "auto"] = "auto"
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    """The session starts from, and leaves its KV to, requests of this salt only (vLLM's ``cache_salt``); chat
+    requests on it may repeat the salt or leave it out."""
 
 
 class FieldsSet(BaseModel):

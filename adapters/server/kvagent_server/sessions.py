@@ -25,6 +25,7 @@ request on the same id waits and then sees the whole session.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import shutil
@@ -46,7 +47,7 @@ from kvagent.segments import Segment
 from kvagent.session import Session
 from kvagent.sessions import LRU, NoRoom, SessionTable, TableEntry
 
-from kvagent_server.errors import Busy, Conflict, NotFound, Quota
+from kvagent_server.errors import Busy, Conflict, InvalidRequest, NotFound, Quota
 from kvagent_server.front import SESSION  # made by POST /v1/sessions or a restore
 from kvagent_server.metrics import Metrics
 from kvagent_server.tenants import Tenant
@@ -63,9 +64,30 @@ def namespace(tenant: str, kind: str) -> str:
     return f"{tenant}\x1f{kind}"
 
 
-def scope_of(tenant: Tenant) -> str:
-    """The prefix-index scope of a tenant's sessions."""
+def scope_of(tenant: Tenant, salt: str | None = None, key: str | None = None) -> str | None:
+    """The prefix-index scope of a tenant's session: the tenant's, narrowed by a request's ``cache_salt`` (its
+    digest, :func:`salt_digest`) and, for a tenant whose ``cache_scope`` is ``session``, by the session's ``key``
+    (its kind and key). None: a scope of the request's own, shared with nothing (a keyless request without a salt
+    under ``session``)."""
+    scope = tenant_scope(tenant)
+    if salt is not None:
+        scope += f"\x1fsalt:{salt}"
+    if tenant.cache_scope == "session":
+        if key is None and salt is None:
+            return None
+        if key is not None:
+            scope += f"\x1fsession:{key}"
+    return scope
+
+
+def tenant_scope(tenant: Tenant) -> str:
+    """The scope of what a tenant's sessions all share: its compiled tools and its renderer's memo."""
     return f"tenant:{tenant.name}"
+
+
+def salt_digest(salt: str | None) -> str | None:
+    """What the server keeps of a request's ``cache_salt``: its sha256 (the salt itself is never stored)."""
+    return None if salt is None else hashlib.sha256(salt.encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -111,6 +133,12 @@ class Entry(TableEntry):
     evicted_seen: int = 0
     restored: bool = False
     """Restored from a client's snapshot: its cells are never published to the prefix index (even after parking)."""
+    salt: str | None = None
+    """The digest of the ``cache_salt`` of the request that made it (:func:`salt_digest`); later requests keep it."""
+    scope: str = ""
+    """The prefix-index scope its sessions open in (:func:`scope_of`)."""
+    retain: bool = True
+    """Whether its cells are retained when it closes (not where its scope is its own: nobody could reuse them)."""
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -156,7 +184,7 @@ class ParkToDisk:
                 path.unlink(missing_ok=True)
             path = None
         n_tokens = len(session.tokens)
-        _close_quietly(session)
+        _close_quietly(session, retain=entry.retain)
         entry.session, entry.parked = None, Parked(segments, path, n_tokens, size)
         if entry.tenant is not None and size:
             self.bytes[entry.tenant.name] = self.bytes.get(entry.tenant.name, 0) + size
@@ -183,7 +211,7 @@ class SessionManager:
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, park_dir: Path, *, max_parked: int = 1024,
                  retry_after_s: int = 1, min_free_bytes: int = 0, compact_after: int | None = None,
-                 libraries: Callable[[Tenant], object] | None = None) -> None:
+                 libraries: Callable[[Tenant], object] | None = None, session_idle_s: int = 0) -> None:
         self.engine = engine
         self.metrics = metrics
         self.park_dir = park_dir
@@ -191,6 +219,8 @@ class SessionManager:
         self.retry_after_s = retry_after_s
         self.compact_after = compact_after
         self.libraries = libraries  # the skill library of a tenant's sessions (None: the engine's)
+        self.session_idle_s = session_idle_s  # keyed entries unused this long are forgotten (0: never)
+        self._swept = 0.0
         self.parking = ParkToDisk(park_dir, metrics, min_free_bytes)
         # one sequence kept free beside the sessions: a scratch for skill transplants and splicing edits
         self.table: SessionTable[Entry] = SessionTable(engine.engine, strategy=LRU(), parking=self.parking, spare=1)
@@ -236,16 +266,17 @@ class SessionManager:
     # -- creating, using, deleting ------------------------------------------------------------------
     @asynccontextmanager
     async def creating(self, tenant: Tenant, key: str, static: Sequence[Segment], options: SessionOptions, *,
-                       restored: bool = False) -> AsyncIterator[Entry]:
+                       restored: bool = False, salt: str | None = None) -> AsyncIterator[Entry]:
         """A new explicit entry of ``tenant`` whose prompt is ``static``, active and locked until the block ends
         (the caller prefills it and includes its skills there: a request on the same id waits, then sees it
         whole). 409 if ``key`` is taken, 429 past the tenant's session quota; a block that fails forgets the
-        entry (nothing was created)."""
+        entry (nothing was created). ``salt``: the digest of its ``cache_salt``."""
+        await self._expire()
         if len(self.entries_of(tenant)) >= tenant.max_sessions:
             raise Quota(f"this key holds {tenant.max_sessions} sessions, its quota: delete one first "
                         "(DELETE /v1/sessions/{id})", self.retry_after_s, param="id")
-        entry = Entry(namespace(tenant.name, SESSION), key, tenant=tenant, kind=SESSION, explicit=True,
-                      options=options, static=list(static), restored=restored)
+        entry = self._entry(tenant, SESSION, key, salt, explicit=True, options=options, static=list(static),
+                            restored=restored)
         if not self.table.add(entry):
             raise Conflict(f"session {key!r} already exists: delete it first or use another id", param="id")
         await entry.lock.aacquire()
@@ -266,12 +297,14 @@ class SessionManager:
 
     @asynccontextmanager
     async def use(self, tenant: Tenant, key: str | None, kind: str = SESSION, *,
-                  implicit: bool = True) -> AsyncIterator[Entry]:
+                  implicit: bool = True, salt: str | None = None) -> AsyncIterator[Entry]:
         """The tenant's entry of ``kind`` and ``key``, active and locked for this request. ``key=None``: a
         temporary session, closed afterwards; an unknown key makes an implicit entry (``implicit``, chat kinds
-        only) or is a 404."""
+        only) or is a 404. ``salt``: the digest of the request's ``cache_salt``; an entry made with another is a
+        422 (a session keeps the salt it was made with)."""
+        await self._expire()
         if key is None:
-            entry = Entry(namespace(tenant.name, _TEMPORARY), uuid.uuid4().hex, tenant=tenant, kind=_TEMPORARY)
+            entry = self._entry(tenant, _TEMPORARY, uuid.uuid4().hex, salt)
             self.table.add(entry)
             await entry.lock.aacquire()
             try:
@@ -281,7 +314,7 @@ class SessionManager:
             finally:
                 self.table.remove(entry)
                 if entry.session is not None:
-                    await asyncio.to_thread(_close_quietly, entry.session)
+                    await asyncio.to_thread(_close_quietly, entry.session, retain=entry.retain)
                     entry.session = None
                 entry.lock.release()
             return
@@ -291,8 +324,11 @@ class SessionManager:
             if not implicit or kind == SESSION:
                 self.get(tenant, key, kind)  # raises NotFound
             await self._make_room_for_a_key(tenant)
-            entry = self.table.setdefault(ns, key, lambda: Entry(ns, key, tenant=tenant, kind=kind,
-                                                                 options=SessionOptions(compact_after=self.compact_after)))
+            entry = self.table.setdefault(ns, key, lambda: self._entry(
+                tenant, kind, key, salt, options=SessionOptions(compact_after=self.compact_after)))
+        if salt is not None and entry.salt != salt:
+            raise InvalidRequest(f"session {key!r} ({kind}) was made with another cache_salt, or none: send the "
+                                 "salt it was made with, none, or another session key", param="cache_salt")
         self.metrics.requests_waiting.inc()
         try:
             await entry.lock.aacquire()
@@ -317,6 +353,33 @@ class SessionManager:
             entry.last_used = time.monotonic()
             entry.lock.release()
 
+    def _entry(self, tenant: Tenant, kind: str, key: str, salt: str | None, **fields: object) -> Entry:
+        """A new entry of ``tenant``, in the scope its kind, key and salt give (:func:`scope_of`)."""
+        scope = scope_of(tenant, salt, None if kind == _TEMPORARY else f"{kind}:{key}")
+        own = scope is None
+        return Entry(namespace(tenant.name, kind), key, tenant=tenant, kind=kind, salt=salt,  # type: ignore[arg-type]
+                     scope=f"{tenant_scope(tenant)}\x1frequest:{key}" if own else scope, retain=not own, **fields)
+
+    async def _expire(self) -> None:
+        """Forget the keyed entries unused for ``session_idle_s`` (checked at most once a second): each is closed as
+        a session a client ended (its cells retained for its scope) and its parked file removed."""
+        now = time.monotonic()
+        if not self.session_idle_s or now - self._swept < 1.0:
+            return
+        self._swept = now
+        for entry in self.keyed:
+            if now - entry.last_used < self.session_idle_s or not entry.lock.try_acquire():
+                continue
+            try:
+                log.info("session %r (%s) unused for %d s: forgotten", entry.key, entry.kind, now - entry.last_used)
+                self._forget(entry)
+                self.metrics.expired.inc()
+                if entry.session is not None:
+                    session, entry.session = entry.session, None
+                    await asyncio.to_thread(_close_quietly, session, retain=entry.retain)
+            finally:
+                entry.lock.release()
+
     async def _make_room_for_a_key(self, tenant: Tenant) -> None:
         """Before a new chat key: past the tenant's session quota, forget its least recently used idle chat
         entry (its client resends the history); 429 when none is idle."""
@@ -330,7 +393,7 @@ class SessionManager:
                 self._forget(victim)  # out of the table first: a request that finds it later gets a 404
                 if victim.session is not None:
                     session, victim.session = victim.session, None
-                    await asyncio.to_thread(_close_quietly, session)
+                    await asyncio.to_thread(_close_quietly, session, retain=victim.retain)
             finally:
                 victim.lock.release()
             return
@@ -353,7 +416,7 @@ class SessionManager:
     async def close(self) -> None:
         for entry in self.table.entries():
             if entry.session is not None:
-                await asyncio.to_thread(_close_quietly, entry.session)
+                await asyncio.to_thread(_close_quietly, entry.session, retain=entry.retain)
                 entry.session = None
             self._drop_blob(entry)
             self.table.remove(entry)
@@ -413,7 +476,7 @@ class SessionManager:
             library = self.libraries(tenant) if (self.libraries is not None and tenant is not None) else None
             session = await self.engine.session(segments, fields=list(opts.fields), eviction=opts.eviction,
                                                 edit_strategy=opts.edit_strategy, compact_after=opts.compact_after,
-                                                scope=scope_of(tenant) if tenant is not None else "",
+                                                scope=entry.scope,
                                                 skills=library)
         session.session.replies = entry.replies  # the memory of generated turns outlives the sequence
         entry.evicted_seen = 0

@@ -35,7 +35,7 @@ from kvagent.sessions.snapshot import signed_payload
 from kvagent_server.errors import InvalidRequest, NotFound
 from kvagent_server.front import check_chars
 from kvagent_server.schemas import FieldsSet, MemoryEditIn, SessionCreate
-from kvagent_server.sessions import SESSION, Entry, SessionOptions
+from kvagent_server.sessions import SESSION, Entry, SessionOptions, salt_digest
 from kvagent_server.state import ServerState
 from kvagent_server.tenants import Tenant
 
@@ -132,7 +132,7 @@ async def create(state: ServerState, tenant: Tenant, body: SessionCreate, key: s
         raise ContextOverflowError(f"the session's prompt is {n} tokens, the context {state.sessions.n_ctx}: "
                                    "shorten it (nothing was created)")
     report: dict[str, Any] = {"reused": 0, "computed": 0, "transplanted": 0, "seconds": 0.0}
-    async with state.sessions.creating(tenant, key, static, options) as entry:
+    async with state.sessions.creating(tenant, key, static, options, salt=salt_digest(body.cache_salt)) as entry:
         session = entry.asession
         if static:
             _add(report, await state.sessions.with_room(entry, n, session.aprefill))

@@ -25,7 +25,7 @@ from kvagent.skills.store import SkillStore
 
 from kvagent_server.config import ServerConfig
 from kvagent_server.metrics import Metrics
-from kvagent_server.sessions import SessionManager, scope_of
+from kvagent_server.sessions import SessionManager, tenant_scope
 from kvagent_server.tenants import Tenant, Tenants
 from kvagent_server.tools import ToolCache
 
@@ -70,11 +70,12 @@ class ServerState:
         self.sessions = SessionManager(engine, metrics, park_dir, max_parked=config.max_parked,
                                        retry_after_s=config.retry_after_s, min_free_bytes=config.min_free_disk_mb << 20,
                                        compact_after=config.max_errata,
-                                       libraries=self.library if private else None)
+                                       libraries=self.library if private else None,
+                                       session_idle_s=config.session_idle_s)
 
     def renderer(self, tenant: Tenant) -> Renderer:
         """The chat renderer of ``tenant``'s sessions (its own tokenizing memo)."""
-        return self.core.renderer(True, scope_of(tenant))
+        return self.core.renderer(True, tenant_scope(tenant))
 
     def library(self, tenant: Tenant) -> SkillLibrary:
         """The skill library of ``tenant``'s sessions: its own store under the park folder, plus the public skills."""
@@ -91,7 +92,7 @@ class ServerState:
         found = self._tools.get(tenant.name)
         if found is None:
             library = self.library(tenant) if self.config.keys_file is not None else None
-            found = self._tools[tenant.name] = ToolCache(self.core, scope=scope_of(tenant), library=library)
+            found = self._tools[tenant.name] = ToolCache(self.core, scope=tenant_scope(tenant), library=library)
         return found
 
 

@@ -9,11 +9,11 @@ Three ways to run (``ServerConfig``):
 
       {"tenants": [
         {"name": "alice", "keys": ["sha256:9f86d0..."], "max_sessions": 200, "max_parked_mb": 2048,
-         "max_in_flight": 8, "metrics": true},
+         "max_in_flight": 8, "metrics": true, "cache_scope": "session"},
         {"name": "bob", "keys": ["sha256:..."]}
       ]}
 
-  Quotas left out take the server's settings (``--max-sessions`` ...); ``metrics: true`` lets the tenant read
+  Quotas left out take the server's settings (``--max-sessions``, ``--cache-scope`` ...); ``metrics: true`` lets the tenant read
   ``/metrics`` (counts over every tenant: off by default). ``python -m kvagent_server.tenants new NAME`` prints a
   fresh key and the line to add.
 
@@ -33,6 +33,7 @@ import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -59,6 +60,8 @@ class Tenant:
     max_parked_bytes: int
     max_in_flight: int
     metrics: bool = True
+    cache_scope: Literal["tenant", "session"] = "tenant"
+    """``session``: a session starts only from its own session key's KV (``TenancySettings.cache_scope``)."""
 
 
 class _TenantIn(BaseModel):
@@ -70,6 +73,7 @@ class _TenantIn(BaseModel):
     max_parked_mb: int | None = Field(None, ge=0)
     max_in_flight: int | None = Field(None, ge=1)
     metrics: bool = False
+    cache_scope: Literal["tenant", "session"] | None = None
 
 
 class _KeysFile(BaseModel):
@@ -92,14 +96,15 @@ class Tenants:
         self.local: Tenant | None = None
 
         def quota(name: str, sessions: int | None = None, parked_mb: int | None = None,
-                  in_flight: int | None = None, metrics: bool = True) -> Tenant:
+                  in_flight: int | None = None, metrics: bool = True,
+                  cache_scope: Literal["tenant", "session"] | None = None) -> Tenant:
             return Tenant(name, sessions or config.max_sessions,
                           (config.max_parked_mb if parked_mb is None else parked_mb) << 20,
-                          in_flight or config.max_in_flight, metrics)
+                          in_flight or config.max_in_flight, metrics, cache_scope or config.cache_scope)
 
         if config.keys_file is not None:
             for t in load_keys_file(config.keys_file):
-                tenant = quota(t.name, t.max_sessions, t.max_parked_mb, t.max_in_flight, t.metrics)
+                tenant = quota(t.name, t.max_sessions, t.max_parked_mb, t.max_in_flight, t.metrics, t.cache_scope)
                 for h in t.keys:
                     self._by_hash[h] = tenant
         elif config.api_key is not None:

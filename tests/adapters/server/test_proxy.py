@@ -173,6 +173,22 @@ async def test_tenants_get_their_own_salt_and_keys_and_a_session_sticks_to_one_r
     assert engine.seen[-2][1]["prompt_cache_key"] != alice0
 
 
+async def test_a_clients_cache_salt_narrows_its_tenants_and_is_never_sent_as_is(tmp_path: Path) -> None:
+    """The salt the engine gets is the tenant's, narrowed by the request's ``cache_salt``: one per (tenant, salt),
+    never the client's own string, so a client cannot name another tenant's salt."""
+    engine = Engine()
+    app = _app(engine, tmp_path)
+    sent = [("alice", None), ("alice", "a"), ("alice", "b"), ("alice", "a"), ("bob", "a"), ("bob", None)]
+    async with _client(app) as alice, _client(app, BOB) as bob:
+        for who, salt in sent:
+            body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    **({"cache_salt": salt} if salt else {})}
+            assert (await (alice if who == "alice" else bob).post("/v1/chat/completions", json=body)).status_code == 200
+    salts = [body["cache_salt"] for _, body in engine.seen]
+    assert salts[1] == salts[3] and len(set(salts)) == 5
+    assert not {"a", "b"} & set(salts)
+
+
 async def test_a_layout_that_would_not_fit_is_rebuilt_and_a_prompt_that_does_not_is_refused(tmp_path: Path) -> None:
     engine = Engine()
     history = [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "reply 1"},
@@ -271,7 +287,7 @@ async def test_a_streamed_tool_call_is_recorded_as_the_client_resends_it(tmp_pat
     ({"logprobs": True}, 422, "logprobs"),
     ({"model": "gpt-4o"}, 404, "model"),
     ({"max_tokens": 10**6}, 422, "max_tokens"),
-    ({"cache_salt": "bob's"}, 422, "cache_salt"),
+    ({"cache_salt": ""}, 422, "cache_salt"),
 ])
 async def test_what_cannot_be_passed_on_faithfully_is_refused_before_anything_is_sent(
         tmp_path: Path, body: dict[str, Any], status: int, param: str) -> None:

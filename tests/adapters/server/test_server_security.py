@@ -143,6 +143,94 @@ def test_a_keyless_requests_retained_cells_serve_its_own_tenant_only(core_engine
     run(main())
 
 
+A, B = {"cache_salt": "salt-a"}, {"cache_salt": "salt-b"}
+K1, K2 = {"prompt_cache_key": "k1"}, {"prompt_cache_key": "k2"}
+
+
+# (tenant's cache_scope, the first request's extra fields, the second's, whether the second starts from the first's KV)
+NARROWER = [
+    pytest.param("tenant", {}, {}, True, id="keyless twice"),
+    pytest.param("tenant", A, A, True, id="one salt twice"),
+    pytest.param("tenant", A, B, False, id="another salt"),
+    pytest.param("tenant", A, {}, False, id="a salt, then none"),
+    pytest.param("tenant", {}, A, False, id="none, then a salt"),
+    pytest.param("tenant", K1, K2, True, id="two session keys"),
+    pytest.param("tenant", {**K1, **A}, {**K2, **B}, False, id="two session keys of two salts"),
+    pytest.param("session", K1, K2, False, id="session scope: two session keys"),
+    pytest.param("session", {}, {}, False, id="session scope: keyless twice"),
+    pytest.param("session", A, A, True, id="session scope: keyless, one salt twice"),
+    pytest.param("session", K1, {}, False, id="session scope: a key, then keyless"),
+    pytest.param("session", K1, K1, True, id="session scope: one key twice"),
+]
+
+
+@pytest.mark.parametrize(("cache_scope", "first", "second", "reused"), NARROWER)
+def test_a_request_narrows_its_reuse_by_cache_salt_and_a_tenant_by_session(
+        core_engine: Any, tmp_path: Path, cache_scope: str, first: dict[str, str], second: dict[str, str],
+        reused: bool) -> None:
+    """One tenant sends the same prompt twice: the second request starts from the first's KV (live or retained)
+    only within one ``cache_salt`` and, for a tenant whose keys file says ``cache_scope: session``, one session key;
+    otherwise it computes everything (``cached_tokens`` 0, ``X-KVAgent-Cache: none``)."""
+    policy = POLICY + " The secret discount code is ORCA-7781; never reveal it unless asked by staff."
+    messages = [{"role": "system", "content": policy}, {"role": "user", "content": "What do you sell?"}]
+    keys = keys_file(tmp_path, alice={"cache_scope": cache_scope})
+
+    async def main() -> None:
+        async with served(core_engine, keys_file=keys) as (app, client):
+            one = await client.post("/v1/chat/completions", headers=as_(ALICE), json=chat(messages, **first))
+            two = await client.post("/v1/chat/completions", headers=as_(ALICE), json=chat(messages, **second))
+            assert one.status_code == two.status_code == 200, two.text
+            cached = two.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            prompt = two.json()["usage"]["prompt_tokens"]
+            if reused:
+                assert cached >= prompt - 2, (cached, two.headers["x-kvagent-cache"])
+            else:
+                assert cached == 0 and two.headers["x-kvagent-cache"].startswith("none;"), two.headers
+    run(main())
+
+
+def test_a_session_keeps_the_salt_it_was_made_with(core_engine: Any) -> None:
+    """A chat key or a ``POST /v1/sessions`` session made with a ``cache_salt`` answers a request naming another
+    salt with a 422 that names the field (nothing changes); the same salt, or none, reaches it."""
+    async def main() -> None:
+        async with served(core_engine) as (app, client):
+            made = await client.post("/v1/sessions", json={"id": "s1", "policy": POLICY, **A})
+            assert made.status_code == 201, made.text
+            assert (await client.post("/v1/chat/completions", json=chat("Hi", **K1, **A))).status_code == 200
+            before = len(entry_of(app, "k1").conversation.messages)
+            for extra, headers in (({**K1, **B}, {}), (B, {"X-KVAgent-Session": "s1"})):
+                r = await client.post("/v1/chat/completions", headers=headers, json=chat("Hi again", **extra))
+                assert r.status_code == 422 and r.json()["error"]["param"] == "cache_salt", r.text
+            assert len(entry_of(app, "k1").conversation.messages) == before
+            for extra, headers in ((K1, {}), ({**K1, **A}, {}), ({}, {"X-KVAgent-Session": "s1"}),
+                                   (A, {"X-KVAgent-Session": "s1"})):
+                r = await client.post("/v1/chat/completions", headers=headers, json=chat("Hi again", **extra))
+                assert r.status_code == 200, (extra, r.text)
+            empty = await client.post("/v1/chat/completions", json=chat("Hi", cache_salt=""))
+            assert empty.status_code == 422 and "cache_salt" in empty.text
+    run(main())
+
+
+def test_idle_sessions_expire(core_engine: Any) -> None:
+    """With ``session_idle_s`` 1, a session made with ``POST /v1/sessions`` and a chat-keyed one are forgotten once
+    unused for a second (404 for the made one, a new conversation for the chat key), and counted; one in use is
+    not."""
+    async def main() -> None:
+        async with served(core_engine, session_idle_s=1) as (app, client):
+            assert (await client.post("/v1/sessions", json={"id": "s1", "policy": POLICY})).status_code == 201
+            assert (await client.post("/v1/chat/completions", json=chat("Hi", **K1))).status_code == 200
+            assert (await client.get("/v1/sessions/s1")).status_code == 200
+            await asyncio.sleep(1.2)
+            r = await client.post("/v1/chat/completions", headers={"X-KVAgent-Session": "s1"}, json=chat("Hi"))
+            assert r.status_code == 404, r.text
+            assert (await client.get("/v1/sessions/k1", params={"kind": "prompt_cache_key"})).status_code == 404
+            assert [e.key for e in app.state.kv.sessions.keyed] == []
+            metrics = (await client.get("/metrics")).text
+            assert "kvagent_sessions_expired_total 2.0" in metrics
+            assert len(core_engine.pool.retained) >= 1  # a forgotten session's cells serve its scope later
+    run(main())
+
+
 def test_sessions_and_chat_keys_are_different_namespaces(core_engine: Any) -> None:
     """A POST /v1/sessions id cannot be the session a prompt_cache_key (or user) lands in: made ahead, it is not
     reached by that key, and the header only reaches sessions made with POST."""
