@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
+from kvagent.kv.codec import Codec, Format, Plain, codec
 from kvagent.kv.prefix import PrefixIndex
 from kvagent.kvblob import KVBlob
 
@@ -46,7 +47,9 @@ class Stored:
 class Store(Protocol):
     """Where a tier's bytes live."""
 
-    def put(self, key: int, data: bytes) -> None: ...
+    def put(self, key: int, data: bytes) -> int:
+        """Keep ``data`` under ``key``; returns the bytes it takes there."""
+
     def get(self, key: int) -> bytes | None: ...
     def drop(self, key: int) -> None: ...
 
@@ -57,8 +60,9 @@ class MemoryStore:
     def __init__(self) -> None:
         self._data: dict[int, bytes] = {}
 
-    def put(self, key: int, data: bytes) -> None:
+    def put(self, key: int, data: bytes) -> int:
         self._data[key] = data
+        return len(data)
 
     def get(self, key: int) -> bytes | None:
         return self._data.get(key)
@@ -68,19 +72,22 @@ class MemoryStore:
 
 
 class FolderStore:
-    """Bytes in files of a private folder (mode 0700, files 0600), each signed with a key of this process: a file
-    changed or put there by anything else reads as missing. ``close`` removes the folder."""
+    """Bytes in files of a private folder (mode 0700, files 0600), written by ``codec`` (``kvagent.kv.codec``:
+    as they are by default) and each signed with a key of this process: a file changed or put there by anything
+    else reads as missing. ``close`` removes the folder."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, codec: Codec | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(folder, 0o700)
         self.folder = folder
+        self.codec: Codec = codec or Plain()
         self._secret = os.urandom(32)
 
     def _path(self, key: int) -> Path:
         return self.folder / f"{key}.kv"
 
-    def put(self, key: int, data: bytes) -> None:
+    def put(self, key: int, data: bytes) -> int:
+        data = self.codec.encode(data)
         tag = hmac.new(self._secret, data, hashlib.sha256).digest()
         tmp = self.folder / f".{key}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -88,6 +95,7 @@ class FolderStore:
             fh.write(tag)
             fh.write(data)
         os.replace(tmp, self._path(key))
+        return len(tag) + len(data)
 
     def get(self, key: int) -> bytes | None:
         try:
@@ -98,7 +106,7 @@ class FolderStore:
         if not hmac.compare_digest(tag, hmac.new(self._secret, data, hashlib.sha256).digest()):
             log.warning("a stored KV file of the disk tier failed its signature: dropped")
             return None
-        return data
+        return self.codec.decode(data)
 
     def drop(self, key: int) -> None:
         self._path(key).unlink(missing_ok=True)
@@ -131,8 +139,15 @@ class Tier:
                 self.lower.put(tokens, scope, data)
             return
         with self._lock:
-            entry = Stored(next(_keys), tuple(tokens), scope, len(data))
-            self.store.put(entry.key, data)
+            key = next(_keys)
+            try:
+                size = self.store.put(key, data)
+            except Exception as exc:  # noqa: BLE001 - a tier is a cache: a prefix it cannot keep is dropped
+                log.warning("%s tier: a prefix of %d tokens could not be kept (%s): dropped", self.name, len(tokens),
+                            exc)
+                self.store.drop(key)
+                return
+            entry = Stored(key, tuple(tokens), scope, size)
             self._entries[entry.key] = entry
             self.index.insert(entry.key, entry.tokens, scope)
             self.bytes += entry.size
@@ -202,10 +217,11 @@ class Tier:
                 close()
 
 
-def tiers(ram_bytes: int, disk_bytes: int, folder: Path | None) -> Tier | None:
-    """A host-memory tier of ``ram_bytes`` over a disk tier of ``disk_bytes`` in ``folder`` (either may be 0: left
-    out); None when both are."""
-    disk = Tier("disk", FolderStore(folder), disk_bytes) if disk_bytes > 0 and folder is not None else None
+def tiers(ram_bytes: int, disk_bytes: int, folder: Path | None, disk_format: Format = "f16") -> Tier | None:
+    """A host-memory tier of ``ram_bytes`` over a disk tier of ``disk_bytes`` in ``folder``, its files written in
+    ``disk_format`` (``kvagent.kv.codec``; either tier may be 0: left out); None when both are."""
+    disk = Tier("disk", FolderStore(folder, codec(disk_format)), disk_bytes) \
+        if disk_bytes > 0 and folder is not None else None
     if ram_bytes > 0:
         return Tier("ram", MemoryStore(), ram_bytes, disk)
     return disk

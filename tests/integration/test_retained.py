@@ -19,6 +19,7 @@ import pytest
 
 from kvagent.messages import ChatMessage, to_segments
 from kvagent.skills.fidelity import logit_cosine
+from tests.models import FIRST
 
 RULES = "\n".join(f"Rule {i}: when a customer asks about order type {i}, check ledger entry {i * 7} and reply "
                   "politely." for i in range(10))
@@ -131,3 +132,46 @@ def test_a_side_request_under_the_same_key_does_not_lose_the_conversation(engine
         cold_gen = cold.generate(6)
         assert cold.tokens == tokens
     assert back.token_ids == cold_gen.token_ids
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``VmRSS``)."""
+    for line in open("/proc/self/status", encoding="ascii"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise RuntimeError("no VmRSS in /proc/self/status")  # pragma: no cover - Linux only
+
+
+@pytest.mark.full  # 63 s: 30 prefixes through the tiers on an engine of its own
+def test_full_tiers_keep_memory_and_disk_within_their_bounds_and_lose_nothing_live() -> None:
+    """Thirty conversations of about 250 tokens (about 5.7 MB of KV each, some 170 MB in all) pass through tiers of
+    16 MiB in host memory and 16 MiB on disk. The process's resident memory grows by at most the RAM tier's bound
+    and a margin (measured 2026-12-07: at most 23 MiB), the disk folder stays within its bound, and a live session
+    opened first holds byte for byte the same cells at the end."""
+    from kvagent import Engine
+
+    ram, disk = 16 << 20, 16 << 20
+    with Engine.load(FIRST, n_ctx=2048, n_seq_max=3, cache_ram_mb=ram >> 20,
+                     cache_disk_mb=disk >> 20) as small:
+        live = small.session(to_segments([system(0), ChatMessage("user", QUESTIONS[0])]), share_prefix=False)
+        live.prefill()
+        before = small.backend.seq_save(live.seq)  # the live cells' bytes
+        folder = small.tiers.lower.store.folder  # type: ignore[union-attr]
+        grown = []
+        for n in range(30):
+            topic = f"Conversation {n}: the customer's favourite colour is shade {n * 37 % 101}.\n{RULES}"
+            with small.session([*to_segments([ChatMessage("system", topic)])]) as s:
+                s.prefill()
+            # the pool holds one retained sequence beside the live one: each new one gives the last back to the tiers
+            ram_tier, disk_tier = small.tiers.tiers()  # type: ignore[union-attr]
+            assert ram_tier.bytes <= ram and disk_tier.bytes <= disk
+            assert sum(f.stat().st_size for f in folder.iterdir()) <= disk
+            if n == 3:
+                start = resident_bytes()  # after the first prefixes: the engine's buffers are at their size
+            if n > 3:
+                grown.append(resident_bytes() - start)
+        stored = sum(len(t) for t in small.tiers.tiers())  # type: ignore[union-attr]
+        assert stored >= 2, stored  # the tiers did fill
+        assert max(grown) <= ram + (32 << 20), [g >> 20 for g in grown]
+        assert small.backend.seq_save(live.seq) == before
+        live.close()

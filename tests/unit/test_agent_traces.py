@@ -336,7 +336,19 @@ def test_run_keeps_the_keyless_arm_apart_from_the_keyed_one(tmp_path: Any, monke
     doc = agents.run("smollm2-135m", ["kvagent", "kvagent-keyless"], ["conversations"], 3, tmp_path / "a.json", "c")
     assert keys["kvagent"] == ["conversations-warmup", "conversations-agent", "conversations-agent-1",
                                "conversations-agent-2"]
-    assert keys["kvagent-keyless"] == [None] * 4
-    assert {r["arm"] for r in doc["rows"]} == {"kvagent", "kvagent-keyless"}
+    assert keys["kvagent-keyless"] == keys["kvagent-keyless no-fa"] == [None] * 4
+    assert {r["arm"] for r in doc["rows"]} == {"kvagent", "kvagent-keyless", "kvagent-keyless no-fa"}
     assert [r["conversation"] for r in doc["rows"] if r["arm"] == "kvagent"] == [0, 1, 2]
     assert doc["summary"]["kvagent-keyless"]["conversations"]["ttft_vs_kvagent"] == 1.0
+
+
+@pytest.mark.parametrize(("page", "expected"), [
+    ('kvagent_retained{where="pool"} 3.0\nkvagent_retained{where="ram"} 1.0\n'
+     'kvagent_retained_bytes{tier="ram"} 1.2345e+06\n', {"pool": 3.0, "ram": 1.0, "ram_bytes": 1234500.0}),
+    ('# HELP kvagent_retained x\nkvagent_retained{where="pool"} 0.0\nkvagent_kv_cells_used 7.0\n', {"pool": 0.0}),
+    ("", {}),
+])
+def test_the_retained_kv_is_read_from_the_servers_metrics(page: str, expected: dict[str, float]) -> None:
+    from kvagent_bench import agents
+
+    assert agents.retained_of(page) == expected

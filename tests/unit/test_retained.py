@@ -141,7 +141,8 @@ from kvagent.kv.tiers import FolderStore, MemoryStore, Tier  # noqa: E402
 
 @pytest.mark.parametrize("sizes, ram, disk, in_ram, in_disk", [
     ([10, 10, 10], 25, 100, 2, 1),  # the least recently used moves down
-    ([10, 10, 10], 25, 15, 2, 1),  # the disk keeps what fits
+    ([10, 10, 10], 25, 45, 2, 1),  # the disk keeps what fits (a file: the bytes and their 32-byte signature)
+    ([10, 10, 10], 25, 41, 2, 0),  # the signature counts
     ([10, 10, 10], 25, 0, 2, 0),  # no room below: dropped
     ([30], 25, 100, 0, 1),  # larger than the RAM tier: straight to disk
     ([30], 25, 20, 0, 0),  # larger than both: kept nowhere
@@ -154,8 +155,7 @@ def test_each_tier_stays_within_its_bound(tmp_path: Path, sizes: list[int], ram:
         upper.put((i, i + 1, i + 2), "", bytes(size))
         assert upper.bytes <= ram and lower.bytes <= disk
     assert (len(upper), len(lower)) == (in_ram, in_disk)
-    on_disk = sum(p.stat().st_size - 32 for p in (tmp_path / "disk").glob("*.kv"))
-    assert on_disk == lower.bytes
+    assert sum(p.stat().st_size for p in (tmp_path / "disk").glob("*.kv")) == lower.bytes
     upper.close()
     assert not (tmp_path / "disk").exists()
 

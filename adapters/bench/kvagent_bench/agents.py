@@ -18,7 +18,9 @@ request ("Hello", 1 token):
   ``user``, no ``X-KVAgent-Session``): each request runs on a temporary session whose cells are retained when it
   ends, so a later request reuses them as a shared prefix or resumes that conversation. Its server logs at INFO,
   and each row's ``resumed`` is the tokens the server's log says it kept from a resumed retained conversation
-  (0: none was resumed; None on the other arms);
+  (0: none was resumed; None on the other arms); ``kvagent-keyless no-fa``: the same with ``--no-flash-attn``
+  (llama.cpp's CPU flash attention decodes a short suffix over one long shared prefix slower than the plain
+  path; it wins where the pool holds many sessions' cells, hence the server's default);
 - ``llama-server`` / ``llama-server reuse``: llama.cpp's own server (``make llama-server``; skipped, saying so,
   when it is not built), one slot, ``-c 8192``, prompt caching on (its default), without and with
   ``--cache-reuse 256``; GGUF's own chat template (Jinja), or llama.cpp's built-in one without Jinja for a GGUF
@@ -67,9 +69,12 @@ class Arm:
     cache_reuse: int = 0
     keyed: bool = True
     """Whether the requests carry a session key (``prompt_cache_key``)."""
+    serve_args: tuple[str, ...] = ()
+    """``kvagent serve`` options beside the arms' common ones."""
 
 
 ARMS = (Arm("kvagent", "kvagent"), Arm("kvagent-keyless", "kvagent-keyless", keyed=False),
+        Arm("kvagent-keyless no-fa", "kvagent-keyless", keyed=False, serve_args=("--no-flash-attn",)),
         Arm("llama-server", "llama-server"), Arm("llama-server reuse", "llama-server", REUSE),
         Arm("llama-cpp-python", "llama-cpp-python"))
 SERVE_TARGETS = ("kvagent", "kvagent-keyless")
@@ -100,6 +105,8 @@ def settings(model: str) -> dict[str, str]:
                    f"{common}",
         "kvagent-keyless": f"kvagent serve --n-ctx {N_CTX} --log-level info (other settings its defaults), no session "
                            f"key (a temporary session per request, its cells retained); {common}",
+        "kvagent-keyless no-fa": f"kvagent serve --n-ctx {N_CTX} --log-level info --no-flash-attn, no session key; "
+                                 f"{common}",
         "llama-server": f"{server}; {common}",
         "llama-server reuse": f"{server}, --cache-reuse {REUSE}; {common}",
         "llama-cpp-python": f"llama_cpp.Llama(n_ctx={N_CTX}).create_chat_completion in process (the backend "
@@ -164,24 +171,33 @@ class ServeArm:
     """``kvagent serve`` in a child process; with ``log_resumes`` it logs at INFO and each turn reports the tokens
     its log says were kept from a resumed retained conversation (``resumed``)."""
 
-    def __init__(self, model: str, log_dir: Path, log_resumes: bool = False) -> None:
+    def __init__(self, model: str, log_dir: Path, log_resumes: bool = False, extra: Sequence[str] = ()) -> None:
         from kvagent_bench.server.processes import free_port, start_process
 
         port = free_port()
         self.base = f"http://127.0.0.1:{port}"
         self.log = log_dir / f"serve-{port}.log" if log_resumes else None
         args = [sys.executable, "-m", "kvagent.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--model", model, "--n-ctx", str(N_CTX), "--log-level", "info" if log_resumes else "warning"]
+                "--model", model, "--n-ctx", str(N_CTX), "--log-level", "info" if log_resumes else "warning", *extra]
         self.proc = start_process(args, f"{self.base}/health", log_dir / f"serve-{port}.log")
         self.client = openai_client(f"{self.base}/v1")
         self.model = self.client.models.list().data[0].id
 
     def turn(self, key: str | None, turn: Turn, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
         if self.log is None:
-            return openai_turn(self.client, self.model, key, turn, max_tokens)
+            return {**openai_turn(self.client, self.model, key, turn, max_tokens), "retained": self.retained()}
         before = len(resumes(self.log.read_text(errors="replace")))
         got = openai_turn(self.client, self.model, key, turn, max_tokens)
-        return {**got, "resumed": sum(resumes(self.log.read_text(errors="replace"))[before:])}
+        return {**got, "resumed": sum(resumes(self.log.read_text(errors="replace"))[before:]),
+                "retained": self.retained()}
+
+    def retained(self) -> dict[str, float]:
+        """The server's retained KV after a turn (``/metrics``): sequences retained in the KV pool (``pool``),
+        prefixes held by each tier (``ram``, ``disk``) and their bytes (``ram_bytes``, ``disk_bytes``)."""
+        import httpx
+
+        text = httpx.get(f"{self.base}/metrics", timeout=30, trust_env=False).text
+        return retained_of(text)
 
     def close(self) -> None:
         from kvagent_bench.server.processes import stop_process
@@ -234,6 +250,15 @@ class LlamaCppPythonArm:
         self.chat.close()
 
 
+RETAINED = re.compile(r'^kvagent_retained(_bytes)?\{(?:where|tier)="(\w+)"\} ([0-9.e+]+)$', re.M)
+
+
+def retained_of(metrics: str) -> dict[str, float]:
+    """``kvagent_retained{where}`` and ``kvagent_retained_bytes{tier}`` of a ``/metrics`` page, as
+    ``{where: count, f"{tier}_bytes": bytes}``."""
+    return {(f"{name}_bytes" if size else name): float(value) for size, name, value in RETAINED.findall(metrics)}
+
+
 def resumes(log: str) -> list[int]:
     """The tokens kept by each resumed retained conversation a server's INFO log reports, in order."""
     return [int(m.group(1)) for m in RESUMED.finditer(log)]
@@ -241,7 +266,7 @@ def resumes(log: str) -> list[int]:
 
 def start_arm(arm: Arm, model: str, log_dir: Path) -> Any:
     if arm.target in SERVE_TARGETS:
-        return ServeArm(model, log_dir, log_resumes=not arm.keyed)
+        return ServeArm(model, log_dir, log_resumes=not arm.keyed, extra=arm.serve_args)
     if arm.target == "llama-server":
         return LlamaServerArm(model, log_dir, arm.cache_reuse)
     return LlamaCppPythonArm(model)
@@ -309,6 +334,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "wall_s_median": median([r["wall_s"] for r in changed]),
                 "cold_computed": cold["computed"] if cold else None,
                 "cold_ttft_s": cold["ttft_s"] if cold else None,
+                "retained_last": turns[-1].get("retained"),
             }
         changed_all = [r for r in mine if r["changed"]]
         per["all"] = {"computed_median": median([r["computed"] for r in changed_all]),

@@ -449,6 +449,33 @@ def bench_recompute(
                  for r in rows if r["kind"] != "compile"])
 
 
+@app.command("disk-formats")
+def bench_disk_formats(
+    model: str = typer.Option(None, help="One model (default: every registry model)."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
+                                   "bench/results/disk-formats.json)."),
+    skills_dir: Path = typer.Option(Path("skills"), help="The shipped skill files (the product manual)."),
+) -> None:
+    """The disk tier's formats (f16, q8_0, deflate) on saved prefixes: bytes, write, read and restore time, and the
+    fidelity of what is decoded on top against the f16 file's."""
+    from kvagent_bench import disk_formats
+
+    json_path = json_path or (RESULTS_DIR / "disk-formats.json")
+    with console.status("disk formats benchmark") as status:
+        rows = disk_formats.run(model_names(model), json_path, command_line(), skills_dir,
+                                progress=lambda m: status.update(m))
+    plot_path = json_path.with_suffix(".png")
+    disk_formats.plot(rows, plot_path)
+    print_table(f"the disk tier's formats ({json_path}, {plot_path})",
+                ("model", "prompt", "tokens", "format", "KiB/token", "vs f16", "write ms", "read ms", "restore ms",
+                 "cosine min", "top-1", "greedy agree"),
+                [[r["model"], r["prompt"], str(r["tokens"]), r["format"], f"{r['bytes_per_token'] / 1024:.1f}",
+                  f"{r['size_vs_f16']:.3f}", f"{r['write_s'] * 1000:.0f}", f"{r['read_s'] * 1000:.0f}",
+                  f"{r['restore_s_median'] * 1000:.0f}", f"{r['cosine_min']:.6f}",
+                  f"{r['top1_agree']}/{r['questions']}", f">= {r['greedy_agree_min']}/{r['greedy_tokens']}"]
+                 for r in rows])
+
+
 @app.command("agents")
 def bench_agents(
     model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m, gemma3-270m or qwen2.5-coder-0.5b."),

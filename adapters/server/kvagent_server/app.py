@@ -79,7 +79,8 @@ def create_app(config: ServerConfig | None = None, *, engine: AsyncEngine | None
             loaded = await AsyncEngine.load(config.model, n_ctx=config.n_ctx, n_seq_max=config.n_seq_max,
                                             n_threads=config.n_threads, flash_attn=config.flash_attn,
                                             prefill_chunk_alone=config.prefill_chunk_alone,
-                                            cache_ram_mb=config.cache_ram_mb, cache_disk_mb=config.cache_disk_mb)
+                                            cache_ram_mb=config.cache_ram_mb, cache_disk_mb=config.cache_disk_mb,
+                                            cache_disk_format=config.cache_disk_format)
             start(loaded)
         try:
             yield

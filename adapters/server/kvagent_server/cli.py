@@ -52,6 +52,8 @@ def serve(
                                      "restored by later requests of the same tenant (0: none)."),
     cache_disk_mb: int = typer.Option(4096, min=0, help="Disk (MiB) below the host-memory tier, in a private "
                                       "folder removed at shutdown (0: none)."),
+    cache_disk_format: str = typer.Option("f16", help="How the disk tier writes a prefix: f16 (exact), q8_0 (about "
+                                          "half the bytes, lossy) or deflate (lossless)."),
     auto_tools: str = typer.Option("free", help="tool_choice auto: free, or once (a tool called since the last user "
                                    "message may not be called again; for small models that repeat their call)."),
     upstream: list[str] = typer.Option([], "--upstream", help="An OpenAI-compatible engine to forward to "
@@ -84,6 +86,7 @@ def serve(
                               session_idle_s=session_idle_s, skills_dir=skills,
                               park_dir=park_dir, prefill_chunk_alone=prefill_chunk_alone or None,
                               cache_ram_mb=cache_ram_mb, cache_disk_mb=cache_disk_mb,
+                              cache_disk_format=cache_disk_format,
                               auto_tools=auto_tools, upstream=tuple(upstream), upstream_model=upstream_model,
                               upstream_key=upstream_key, erratum_role=erratum_role,
                               inplace_tail_chars=inplace_tail_chars, upstream_timeout_s=upstream_timeout_s)

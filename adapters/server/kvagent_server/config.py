@@ -19,6 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from kvagent.kv.codec import Format
+
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
 
@@ -59,6 +61,9 @@ class EngineSettings(BaseModel):
     cache_disk_mb: int = Field(4096, ge=0)
     """Disk (MiB) below the host-memory tier, in a private folder of kvagent's cache folder removed at shutdown.
     0: none."""
+    cache_disk_format: Format = "f16"
+    """How the disk tier writes a prefix: ``f16`` as saved (exact), ``q8_0`` (about 53% of the bytes, lossy) or
+    ``deflate`` (lossless); BENCHMARKS.md, "Retained KV on disk"."""
 
     auto_tools: Literal["free", "once"] = "free"
     """How ``tool_choice="auto"`` is decoded: ``free`` (OpenAI's meaning), or ``once``: a tool called since the last
