@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvagent import Engine, Segment
 from kvagent.skills import load_skills
@@ -48,6 +49,7 @@ def test_the_ranking_is_kept_with_the_compiled_skill(engine: Engine, tmp_path: P
     assert again.chosen(found) == tuple(sorted(skill.ranked[: math.ceil(0.05 * n)]))
 
 
+@pytest.mark.full  # 16 s; selective recompute is an option (off by default), its ranking is checked in the fast tier
 def test_recompute_moves_the_transplant_toward_a_cold_prefill(engine: Engine, tmp_path: Path) -> None:
     renderer = engine.renderer(True)
     oracle, cold = bring_up(engine, engine.skill_library(SkillStore(tmp_path / "none")))

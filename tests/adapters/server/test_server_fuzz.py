@@ -111,6 +111,7 @@ def tracebacks(log: Path) -> list[str]:
             if line.startswith(("ERROR", "CRITICAL", "Traceback"))]
 
 
+@pytest.mark.full  # 15 s, most of it the server's start; the full tier shares that server with the 2,000-request run
 def test_fuzz_a_few_hundred_requests_from_the_openapi_schema(fuzz_server: tuple[str, int, Path]) -> None:
     base, _, log = fuzz_server
     counts = fuzz(base, budget=300, seconds=75)
