@@ -4,8 +4,10 @@ Entries live in kvagent's :class:`~kvagent.sessions.SessionTable`, keyed by (ten
 ``session`` namespace holds what ``POST /v1/sessions`` and restores made, its ``prompt_cache_key`` and ``user``
 namespaces what chat requests keyed that way made, so neither kind can be created ahead of the other and another
 tenant's key is simply not there (404). Every session opens in its tenant's prefix-index scope
-(``engine.session(scope=...)``): it starts only from its own tenant's cells, so ``cached_tokens`` and timing say
-nothing of another tenant's prompts.
+(``engine.session(scope=...)``), narrowed by the ``cache_salt`` of the request that made it and, for a tenant whose
+``cache_scope`` is ``session``, by its session key (:func:`scope_of`): it starts only from cells of that scope, so
+``cached_tokens`` and timing say nothing of another tenant's prompts (or another salt's, or another key's). Keyed
+entries unused for ``session_idle_s`` are forgotten (checked at most once a second, on the next request).
 Every entry is either *active* (``entry.session`` is a live session on one of the engine's sequences) or
 *parked* (``entry.parked`` holds its segments and, unless the session evicted, its saved KV in a file).
 A request works on an entry only while it holds the entry's lock. When a new request needs a sequence
