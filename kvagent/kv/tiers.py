@@ -185,8 +185,8 @@ class Tier:
         with self._lock:
             if entry.key not in self._entries:
                 return None
-            data = self.store.get(entry.key)
-            try:
+            try:  # reading decodes the disk format too: a file that does not decode is refused like a bad blob
+                data = self.store.get(entry.key)
                 blob = KVBlob.from_bytes(data, model_fingerprint=fingerprint, backend_format=backend_format) \
                     if data is not None else None
             except Exception as exc:  # noqa: BLE001 - any refusal drops the entry: it is a cache

@@ -102,3 +102,23 @@ def test_a_q8_0_file_that_does_not_decode_is_a_clear_error(saved: bytes) -> None
         c.decode(encoded[: len(encoded) // 2])
     with pytest.raises(KVBlobError, match="q8_0"):
         c.decode(b"nonsense")
+
+
+def test_a_disk_tier_entry_whose_file_does_not_decode_is_dropped_not_raised(engine: Any, saved: bytes,
+                                                                            tmp_path: Path) -> None:
+    """A q8_0 file that fails to decode (here: re-signed after it was cut short) is forgotten by the tier, and the
+    session that wanted it computes its prompt instead of failing."""
+    from kvagent.kv.tiers import Tier
+
+    store = FolderStore(tmp_path / "disk", codec("q8_0"))
+    tier = Tier("disk", store, 1 << 30)
+    tier.put(parsed(engine, saved).tokens, "", saved)
+    (entry,) = tier._entries.values()
+    path = tmp_path / "disk" / f"{entry.key}.kv"
+    cut = path.read_bytes()[32:][: entry.size // 2]
+    import hashlib
+    import hmac
+
+    path.write_bytes(hmac.new(store._secret, cut, hashlib.sha256).digest() + cut)
+    assert tier.load(entry, engine.fingerprint, engine.backend.format) is None
+    assert len(tier) == 0 and not path.exists()
