@@ -97,6 +97,7 @@ def create_app(config: ServerConfig | None = None, *, engine: AsyncEngine | None
                   description="OpenAI-compatible chat completions over sessions whose KV cache stays alive.")
     if engine is not None:
         start(engine)
+    handlers.install_routes(app, metrics, lambda: app.state.kv.model_id)
     _routes(app)
     _errors(app)
     app.add_middleware(Gate, config=config, tenants=tenants, metrics=metrics, route=_route)  # type: ignore[arg-type]
@@ -128,20 +129,6 @@ def _routes(app: FastAPI) -> None:
     session_id = PathParam(pattern=SESSION_ID)
     kind_query = Query("session", description="the kind of session: made by POST /v1/sessions (session), or keyed "
                                               "by chat requests' prompt_cache_key or user")
-
-    @app.get("/health", include_in_schema=False)
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics(request: Request) -> Response:
-        return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        state = _state(request)
-        model = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "kvagent"}
-        return {"object": "list", "data": [model]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:

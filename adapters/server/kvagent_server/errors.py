@@ -5,22 +5,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class ServerError(Exception):
-    """A refusal with an HTTP status and an OpenAI-style error ``type`` / ``param``."""
+    """A refusal with an HTTP status and an OpenAI-style error ``type`` / ``param`` / ``code`` (the class's status
+    and type unless given)."""
 
     status = 400
     kind = "invalid_request_error"
 
     headers: dict[str, str] | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int | None = None,
+                 kind: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
+        self.status, self.kind = status or self.status, kind or self.kind
+        self.headers = headers or self.headers
+
+    def response(self) -> JSONResponse:
+        """The refusal as sent: its error body, status and headers."""
+        return JSONResponse(error_body(self.message, self.kind, self.param, self.code), self.status,
+                            headers=self.headers)
 
 
 class InvalidRequest(ServerError):
@@ -45,13 +56,6 @@ class TooLarge(ServerError):
     """A prompt, body or snapshot beyond what this server takes (413)."""
 
     status = 413
-
-
-class Forbidden(ServerError):
-    """Something this server's settings do not allow (403)."""
-
-    status = 403
-    kind = "permission_error"
 
 
 class Quota(ServerError):

@@ -28,11 +28,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvagent_server.config import LOOPBACK_NAMES, ServerConfig, is_loopback
-from kvagent_server.errors import error_body
+from kvagent_server.errors import ServerError
 from kvagent_server.metrics import Metrics
 from kvagent_server.tenants import Tenant, Tenants
 
@@ -45,16 +44,10 @@ JSON_TYPES = ("application/json",)
 OPEN_ROUTES = ("/health",)
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, kind: str, code: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.kind, self.param, self.code), self.status,
-                            headers=self.headers)
+def _refused(status: int, message: str, kind: str, code: str, param: str | None = None,
+             headers: dict[str, str] | None = None) -> ServerError:
+    """A refusal of the gate (the routes' own type: ``errors.ServerError``)."""
+    return ServerError(message, param=param, code=code, status=status, kind=kind, headers=headers)
 
 
 def json_depth(body: bytes) -> int:
@@ -67,7 +60,7 @@ def json_depth(body: bytes) -> int:
 
 
 def _no_constant(name: str) -> Any:
-    raise _Refused(422, f"the body holds {name}, which is not JSON: send a number", "invalid_request_error",
+    raise _refused(422, f"the body holds {name}, which is not JSON: send a number", "invalid_request_error",
                    "invalid_number")
 
 
@@ -90,7 +83,7 @@ def _surrogate_at(value: Any, where: str = "") -> str | None:
 
 
 def check_json(body: bytes, max_depth: int) -> None:
-    """Refuse (:class:`_Refused`, 422) a JSON body nested deeper than ``max_depth``, holding ``NaN`` / ``Infinity``,
+    """Refuse (``errors.ServerError``, 422) a JSON body nested deeper than ``max_depth``, holding ``NaN`` / ``Infinity``,
     invalid UTF-8 or a lone surrogate; malformed JSON passes (the route answers it with a 400 naming where).
 
     Cheap for ordinary bodies: the nesting is measured only where the body holds more brackets than ``max_depth``,
@@ -99,12 +92,12 @@ def check_json(body: bytes, max_depth: int) -> None:
     if body.count(b"[") + body.count(b"{") > max_depth:
         depth = json_depth(body)
         if depth > max_depth:
-            raise _Refused(422, f"the body nests arrays and objects {depth} deep; at most {max_depth} are accepted",
+            raise _refused(422, f"the body nests arrays and objects {depth} deep; at most {max_depth} are accepted",
                            "invalid_request_error", "json_too_deep")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _Refused(400, f"the body is not UTF-8 (byte {exc.start}): send JSON in UTF-8", "invalid_request_error",
+        raise _refused(400, f"the body is not UTF-8 (byte {exc.start}): send JSON in UTF-8", "invalid_request_error",
                        "json_invalid") from None
     if not _SUSPECT.search(body):
         return
@@ -113,13 +106,13 @@ def check_json(body: bytes, max_depth: int) -> None:
     except json.JSONDecodeError:
         return  # malformed: the route's own parse answers 400 with the position
     except (ValueError, RecursionError) as exc:  # e.g. an integer of more digits than Python converts
-        raise _Refused(422, f"the body cannot be read: {str(exc)[:200]}", "invalid_request_error",
+        raise _refused(422, f"the body cannot be read: {str(exc)[:200]}", "invalid_request_error",
                        "invalid_value") from None
     try:
         json.dumps(parsed, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         where = _surrogate_at(parsed) or "body"
-        raise _Refused(422, f"{where}: text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); send "
+        raise _refused(422, f"{where}: text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); send "
                        "valid Unicode", "invalid_request_error", "invalid_text", where) from None
 
 
@@ -161,7 +154,7 @@ class Gate:
                     scope.setdefault("state", {})["tenant"] = tenant
                     self.in_flight[tenant.name] = self.in_flight.get(tenant.name, 0) + 1
                 receive = await self._body(scope, receive, path, headers)
-            except _Refused as refused:
+            except ServerError as refused:
                 await refused.response()(scope, receive, sending)
                 return
             await self.app(scope, receive, sending)
@@ -178,29 +171,29 @@ class Gate:
         if not self.tenants.authenticated:
             client = scope.get("client")
             if client is not None and not is_loopback(str(client[0])):
-                raise _Refused(403, "this server runs without keys and answers this machine only: start it with "
+                raise _refused(403, "this server runs without keys and answers this machine only: start it with "
                                "--keys FILE (or --api-key) to serve other machines", "permission_error",
                                "loopback_only")
             if _host_name(host.lower()) not in LOOPBACK_NAMES:
-                raise _Refused(403, f"Host {host[:100]!r} is not this machine: a server without keys answers "
+                raise _refused(403, f"Host {host[:100]!r} is not this machine: a server without keys answers "
                                "localhost, 127.0.0.1 and [::1] only (start it with --keys to serve other names)",
                                "permission_error", "host_not_allowed")
         origin = headers.get("origin")
         if origin is not None and not self._same_site(origin, host):
-            raise _Refused(403, f"Origin {origin[:100]!r} is another site: kvagent serve answers no web page of "
+            raise _refused(403, f"Origin {origin[:100]!r} is another site: kvagent serve answers no web page of "
                            "another origin (allow one with --allow-origin)", "permission_error", "origin_not_allowed")
         if path in OPEN_ROUTES:
             return None
         tenant = self.tenants.authenticate(headers.get("authorization"))
         if tenant is None:
-            raise _Refused(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
+            raise _refused(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
                            "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if path == "/metrics" and not tenant.metrics:
-            raise _Refused(403, "this key may not read /metrics (it counts every tenant's requests): the keys file "
+            raise _refused(403, "this key may not read /metrics (it counts every tenant's requests): the keys file "
                            "gives a tenant \"metrics\": true", "permission_error", "metrics_not_allowed")
         if self.in_flight.get(tenant.name, 0) >= tenant.max_in_flight:
             retry = str(self.config.retry_after_s)
-            raise _Refused(429, f"{tenant.max_in_flight} requests of this key are in flight already: wait for one "
+            raise _refused(429, f"{tenant.max_in_flight} requests of this key are in flight already: wait for one "
                            "to finish (the quota is max_in_flight)", "rate_limit_error", "too_many_requests",
                            headers={"Retry-After": retry})
         return tenant
@@ -226,7 +219,7 @@ class Gate:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise _Refused(400, "the client left before its body arrived", "invalid_request_error", "disconnected")
+                raise _refused(400, "the client left before its body arrived", "invalid_request_error", "disconnected")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -237,11 +230,11 @@ class Gate:
         body = b"".join(chunks)
         if restore:
             if kind != "application/octet-stream":
-                raise _Refused(415, f"restore takes the bytes save answered as application/octet-stream, not "
+                raise _refused(415, f"restore takes the bytes save answered as application/octet-stream, not "
                                f"{kind or 'no Content-Type'}", "invalid_request_error", "unsupported_media_type")
         elif body or kind:
             if kind not in JSON_TYPES:
-                raise _Refused(415, f"send the body as application/json, not {kind or 'no Content-Type'}",
+                raise _refused(415, f"send the body as application/json, not {kind or 'no Content-Type'}",
                                "invalid_request_error", "unsupported_media_type")
             check_json(body, self.config.max_json_depth)
         sent = False
@@ -255,10 +248,10 @@ class Gate:
 
         return replay
 
-    def _too_big(self, limit: int, restore: bool) -> _Refused:
+    def _too_big(self, limit: int, restore: bool) -> ServerError:
         what = "a saved session" if restore else "a JSON body"
         setting = "--max-snapshot-mb" if restore else "--max-body-kb"
-        return _Refused(413, f"the body is larger than {limit >> 10} KiB, the most this server takes for {what} "
+        return _refused(413, f"the body is larger than {limit >> 10} KiB, the most this server takes for {what} "
                         f"({setting})", "invalid_request_error", "body_too_large")
 
 

@@ -1,18 +1,19 @@
-"""The exception handlers both apps share (``kvagent serve`` and ``kvagent serve --upstream``): every refusal an
-OpenAI-style error body with its status, a fault of the server's own a 500 logged with its traceback and
-answered without it."""
+"""What both apps share (``kvagent serve`` and ``kvagent serve --upstream``): the exception handlers (every refusal
+an OpenAI-style error body with its status, a fault of the server's own a 500 logged with its traceback and
+answered without it), and the routes that are not the chat: ``/health``, ``/metrics`` and ``/v1/models``."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from kvagent_server.errors import ServerError, error_body
+from kvagent_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def install(app: FastAPI, routes_hint: str) -> None:
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
         log.info("refused (%d): %s", exc.status, exc.message)
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status, headers=exc.headers)
+        return exc.response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -70,3 +71,19 @@ def install(app: FastAPI, routes_hint: str) -> None:
         log.error("request to %s failed", request.url.path, exc_info=exc)
         return JSONResponse(error_body("the server failed on this request: retry, and report it if it happens again",
                                        "server_error", None, "internal_error"), 500)
+
+
+def install_routes(app: FastAPI, metrics: Metrics, model_id: Callable[[], str]) -> None:
+    """``/health``, ``/metrics`` (Prometheus' text format) and ``/v1/models`` (the one model, ``model_id()``)."""
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def read_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_id(), "object": "model", "created": 0, "owned_by": "kvagent"}]}

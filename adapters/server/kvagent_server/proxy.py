@@ -50,7 +50,7 @@ from kvagent import openai_shape as shape
 
 from kvagent_server import front, handlers
 from kvagent_server.config import ServerConfig
-from kvagent_server.errors import Busy, InvalidRequest, ServerError, TooLarge, error_body
+from kvagent_server.errors import Busy, ServerError, TooLarge, error_body
 from kvagent_server.front import ProxyRequest
 from kvagent_server.gate import Gate
 from kvagent_server.layout import Forward, Layout, Message, Planner
@@ -103,9 +103,8 @@ class UpstreamFailed(ServerError):
     kind = "server_error"
 
     def __init__(self, message: str, status: int, code: str, retry_after_s: int | None = None) -> None:
-        super().__init__(message, code=code)
-        self.status = status
-        self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+        super().__init__(message, code=code, status=status,
+                         headers={"Retry-After": str(retry_after_s)} if retry_after_s else None)
 
 
 class Sessions:
@@ -388,9 +387,7 @@ def _refusal(status: int, content: bytes, retry: int) -> ServerError:
     if status == 429:
         return Busy("the engine is at capacity: retry shortly", retry)
     if status in (400, 413, 422) and isinstance(message, str):
-        error = InvalidRequest(f"the engine refused the request: {message[:300]}", code="upstream_refused")
-        error.status = 400
-        return error
+        return ServerError(f"the engine refused the request: {message[:300]}", code="upstream_refused")
     if status in (401, 403, 404):
         log.error("the engine refused this server (%d): check --upstream, --upstream-model and --upstream-key",
                   status)
@@ -422,18 +419,7 @@ def create_proxy_app(config: ServerConfig, *, counter: TokenCounter | None = Non
                   description="OpenAI-compatible chat completions forwarded in a prefix-stable layout.")
     app.state.proxy = proxy
 
-    @app.get("/health", include_in_schema=False)
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/metrics", include_in_schema=False)
-    async def read_metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0,
-                                            "owned_by": "kvagent"}]}
+    handlers.install_routes(app, metrics, lambda: config.model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ProxyRequest, request: Request) -> Response:

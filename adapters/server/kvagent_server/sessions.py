@@ -289,9 +289,7 @@ class SessionManager:
                     yield entry
             except BaseException:
                 self._forget(entry)
-                if entry.session is not None:
-                    await asyncio.to_thread(_close_quietly, entry.session)
-                    entry.session = None
+                await _close(entry)
                 raise
         finally:
             entry.last_used = time.monotonic()
@@ -315,9 +313,7 @@ class SessionManager:
                     yield entry
             finally:
                 self.table.remove(entry)
-                if entry.session is not None:
-                    await asyncio.to_thread(_close_quietly, entry.session, retain=entry.retain)
-                    entry.session = None
+                await _close(entry)
                 entry.lock.release()
             return
         ns = namespace(tenant.name, kind)
@@ -376,9 +372,7 @@ class SessionManager:
                 log.info("session %r (%s) unused for %d s: forgotten", entry.key, entry.kind, now - entry.last_used)
                 self._forget(entry)
                 self.metrics.expired.inc()
-                if entry.session is not None:
-                    session, entry.session = entry.session, None
-                    await asyncio.to_thread(_close_quietly, session, retain=entry.retain)
+                await _close(entry)
             finally:
                 entry.lock.release()
 
@@ -393,9 +387,7 @@ class SessionManager:
                 continue
             try:
                 self._forget(victim)  # out of the table first: a request that finds it later gets a 404
-                if victim.session is not None:
-                    session, victim.session = victim.session, None
-                    await asyncio.to_thread(_close_quietly, session, retain=victim.retain)
+                await _close(victim)
             finally:
                 victim.lock.release()
             return
@@ -408,18 +400,14 @@ class SessionManager:
         self.table.remove(entry)
         await entry.lock.aacquire()
         try:
-            if entry.session is not None:  # a deleted session leaves nothing: its cells are not retained
-                await asyncio.to_thread(_close_quietly, entry.session, retain=False)
-                entry.session = None
+            await _close(entry, retain=False)  # a deleted session leaves nothing: its cells are not retained
             self._drop_blob(entry)
         finally:
             entry.lock.release()
 
     async def close(self) -> None:
         for entry in self.table.entries():
-            if entry.session is not None:
-                await asyncio.to_thread(_close_quietly, entry.session, retain=entry.retain)
-                entry.session = None
+            await _close(entry)
             self._drop_blob(entry)
             self.table.remove(entry)
 
@@ -551,6 +539,14 @@ class _Running:
 
     def __exit__(self, *exc: object) -> None:
         self.metrics.requests_running.dec()
+
+
+async def _close(entry: Entry, *, retain: bool | None = None) -> None:
+    """Close ``entry``'s session, if it has one, off the event loop: its cells retained as ``entry.retain`` says
+    (``retain`` overrides)."""
+    session, entry.session = entry.session, None
+    if session is not None:
+        await asyncio.to_thread(_close_quietly, session, retain=entry.retain if retain is None else retain)
 
 
 def _close_quietly(session: Session, *, retain: bool = True) -> None:

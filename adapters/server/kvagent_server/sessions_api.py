@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from typing import Any, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Sequence
 
 from pydantic import ValidationError
 
@@ -75,6 +76,11 @@ def check_specs(state: ServerState, specs: Sequence[FieldSpec], where: str = "fi
                                  param=f"{where}.{i}.template")
 
 
+def skills_there(state: ServerState) -> str:
+    """The skills a request may name, for a refusal."""
+    return f"this server has {', '.join(sorted(state.skills)) or 'none (start it with --skills DIR)'}"
+
+
 async def tokens_of(state: ServerState, tenant: Tenant, segments: Sequence[Segment]) -> int:
     """How many tokens ``segments`` render to, tokenized off the event loop."""
     renderer = state.renderer(tenant)
@@ -114,12 +120,9 @@ async def create(state: ServerState, tenant: Tenant, body: SessionCreate, key: s
     if len(body.skills) > MAX_SKILLS or len(body.memory) > state.config.max_messages:
         raise InvalidRequest(f"at most {MAX_SKILLS} skills and {state.config.max_messages} memory texts",
                              param="skills" if len(body.skills) > MAX_SKILLS else "memory")
-    unknown = [(i, name) for i, name in enumerate(body.skills) if name not in state.skills]
-    if unknown:
-        i, name = unknown[0]
-        raise InvalidRequest(f"skills.{i}: unknown skill {name!r}; this server has "
-                             f"{', '.join(sorted(state.skills)) or 'none (start it with --skills DIR)'}",
-                             param=f"skills.{i}")
+    for i, name in enumerate(body.skills):
+        if name not in state.skills:
+            raise InvalidRequest(f"skills.{i}: unknown skill {name!r}; {skills_there(state)}", param=f"skills.{i}")
     check_chars(state.config, [body.policy or "", *body.memory, *(str(s.initial) + s.template for s in specs)],
                 "the session's prompt")
     static = ([Segment.policy(body.policy)] if body.policy else []) + [s.segment() for s in specs] \
@@ -182,17 +185,23 @@ def view(state: ServerState, entry: Entry) -> dict[str, Any]:
     }
 
 
-async def read(state: ServerState, tenant: Tenant, key: str, kind: str) -> dict[str, Any]:
-    """The view of a session, taken under its lock (a session being created or restored is seen once it is whole;
-    a parked one stays parked)."""
+@asynccontextmanager
+async def reading(state: ServerState, tenant: Tenant, key: str, kind: str) -> AsyncIterator[Entry]:
+    """A session's entry held under its lock to be read: a session being created or restored is seen once it is
+    whole, a parked one stays parked (``sessions.use`` would make it active)."""
     entry = state.sessions.get(tenant, key, kind)
     await entry.lock.aacquire()
     try:
         if entry.deleted:
             raise NotFound(f"session {key!r} was deleted", param="session", code="session_not_found")
-        return await asyncio.to_thread(view, state, entry)
+        yield entry
     finally:
         entry.lock.release()
+
+
+async def read(state: ServerState, tenant: Tenant, key: str, kind: str) -> dict[str, Any]:
+    async with reading(state, tenant, key, kind) as entry:
+        return await asyncio.to_thread(view, state, entry)
 
 
 def listing(state: ServerState, tenant: Tenant) -> dict[str, Any]:
@@ -241,15 +250,9 @@ def memory_view(entry: Entry, values: dict[str, Any]) -> list[dict[str, Any]]:
 async def read_memory(state: ServerState, tenant: Tenant, key: str, kind: str) -> dict[str, Any]:
     """A session's memory blocks with their current values, and the memory tools over them (OpenAI function
     tools, to send with a chat request; none when every block is read-only or there is no block)."""
-    entry = state.sessions.get(tenant, key, kind)
-    await entry.lock.aacquire()  # as read: a session being created is seen once whole, a parked one stays parked
-    try:
-        if entry.deleted:
-            raise NotFound(f"session {key!r} was deleted", param="session", code="session_not_found")
+    async with reading(state, tenant, key, kind) as entry:
         blocks = memory_view(entry, field_values(entry.segments))
         return {"object": "list", "data": blocks, "tools": [t.openai() for t in memory_tools(entry.options.memory)]}
-    finally:
-        entry.lock.release()
 
 
 async def edit_memory(state: ServerState, tenant: Tenant, key: str, kind: str, body: MemoryEditIn) -> dict[str, Any]:
@@ -289,9 +292,7 @@ async def edit_memory(state: ServerState, tenant: Tenant, key: str, kind: str, b
 async def include(state: ServerState, tenant: Tenant, key: str, kind: str, name: str) -> dict[str, Any]:
     spec = state.skills.get(name)
     if spec is None:
-        raise NotFound(f"unknown skill {name!r}: this server has "
-                       f"{', '.join(sorted(state.skills)) or 'none (start it with --skills DIR)'}",
-                       param="name", code="skill_not_found")
+        raise NotFound(f"unknown skill {name!r}: {skills_there(state)}", param="name", code="skill_not_found")
     async with state.sessions.use(tenant, key, kind, implicit=False) as entry:
         session = entry.asession
         report = await state.sessions.with_room(entry, len(state.renderer(tenant).segment_tokens(spec.segment())),
@@ -339,16 +340,10 @@ def open_snapshot(state: ServerState, tenant: Tenant, data: bytes) -> tuple[Snap
     return Snapshot.from_bytes(signed_payload(data), source="the body").text_only(), False
 
 
-def parse_snapshot(data: bytes, *, trusted: bool = True) -> tuple[Snapshot, SessionOptions, list[Segment]]:
-    """The snapshot (unsigned bytes), the session options and the server's own segments it holds; 422 naming what
-    is wrong. ``trusted=False``: token ids are dropped from every segment (texts are tokenized again)."""
-    snapshot = Snapshot.from_bytes(data, source="the body")  # SnapshotError (a KVBlobError) -> 422
-    options, static = snapshot_options(snapshot, trusted=trusted)
-    return snapshot, options, static
-
-
 def snapshot_options(snapshot: Snapshot, *, trusted: bool, compact_after: int | None = None
                      ) -> tuple[SessionOptions, list[Segment]]:
+    """The session options and the server's own segments a snapshot holds; 422 naming what is wrong.
+    ``trusted=False``: token ids are dropped from every segment (texts are tokenized again)."""
     meta = snapshot.meta
     try:
         fields = meta.get("fields", [])
@@ -426,5 +421,5 @@ async def restore(state: ServerState, tenant: Tenant, key: str, data: bytes) -> 
         return {**view(state, entry), "verified": trusted}
 
 
-__all__ = ["SESSION", "create", "edit_memory", "include", "listing", "open_snapshot", "parse_snapshot", "read",
+__all__ = ["SESSION", "create", "edit_memory", "include", "listing", "open_snapshot", "read",
            "read_memory", "restore", "save", "set_fields", "snapshot_tools", "view"]

@@ -23,6 +23,7 @@ from kvagent.messages import ChatMessage
 from kvagent.tools.sets import ToolSets
 from kvagent.segments import Segment
 from kvagent.tools import ToolSet
+from kvagent.tools.choice import ToolChoice, spent_tools
 
 from kvagent_server.errors import InvalidRequest
 from kvagent_server.front import ChatRequest
@@ -117,8 +118,6 @@ def check_choice(choice: Any, tools: ToolSet | None) -> None:
         raise InvalidRequest(f"tool_choice {choice!r} needs tools: send the tools, or drop tool_choice",
                              param="tool_choice")
     try:
-        from kvagent.tools.choice import ToolChoice
-
         ToolChoice.of(choice, tools)
     except ToolChoiceError as exc:
         raise InvalidRequest(f"tool_choice: {exc}", param="tool_choice", code="ToolChoiceError") from None
@@ -152,8 +151,6 @@ async def turn_tools(cache: ToolCache, body: ChatRequest, once: Sequence[ChatMes
         return TurnTools(options={"response_schema": schema} if schema is not None else {})
     choice: Any = body.tool_choice if body.tool_choice is not None else "auto"
     if choice == "auto" and once is not None:
-        from kvagent.tools.choice import ToolChoice, spent_tools
-
         choice = ToolChoice("auto", spent=spent_tools(once, toolset))
     options: dict[str, Any] = {"tools": toolset, "tool_choice": choice,
                                "parallel_tool_calls": body.parallel_tool_calls}

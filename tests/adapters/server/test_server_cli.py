@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -59,15 +60,19 @@ def test_saved_sessions_are_checked_before_anything_changes() -> None:
     from kvagent.segments import Segment
     from kvagent.sessions import Snapshot, SnapshotError
     from kvagent_server.errors import InvalidRequest
-    from kvagent_server.sessions_api import parse_snapshot
+    from kvagent_server.sessions_api import snapshot_options
+
+    def parse(data: bytes) -> tuple[Snapshot, Any, list[Segment]]:
+        snapshot = Snapshot.from_bytes(data, source="the body")
+        return (snapshot, *snapshot_options(snapshot, trusted=True))
 
     for data in (b"", b"garbage", Snapshot((Segment.policy("p"),)).to_bytes()[:-3]):
         with pytest.raises(SnapshotError):
-            parse_snapshot(data)
+            parse(data)
     bad_options = Snapshot((Segment.policy("p"),), meta={"eviction": {"policy": "window"}}).to_bytes()
     with pytest.raises(InvalidRequest, match="header is invalid"):
-        parse_snapshot(bad_options)
-    snapshot, options, static = parse_snapshot(Snapshot((Segment.policy("p"),), blob=b"KV", meta={
+        parse(bad_options)
+    snapshot, options, static = parse(Snapshot((Segment.policy("p"),), blob=b"KV", meta={
         "fields": [{"name": "tier", "initial": "gold"}], "edit_strategy": "erratum"}).to_bytes())
     assert snapshot.blob == b"KV" and [f.name for f in options.fields] == ["tier"] and static == []
     assert options.edit_strategy == "erratum"
