@@ -440,9 +440,15 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, model: str) -> None:
         for ax in (axes[0][j], axes[1][j]):
             ax.grid(True, which="both", alpha=0.3)
             ax.set_xticks(range(max(r["turn"] for r in rows) + 1))
-    axes[0][0].legend(fontsize=7)
+    # one legend for the figure: a trace may run arms the others do not (the keyless ones run conversations only)
+    handles: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    columns = min(len(handles), 3)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=columns, fontsize=7, frameon=False)
     fig.suptitle(f"agents that change their own prompt: {model} (turn 0 cold)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.035 * -(-len(handles) // columns), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

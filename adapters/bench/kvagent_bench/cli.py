@@ -7,6 +7,7 @@ stays fast; the server benchmarks' commands are in :mod:`kvagent_bench.server.cl
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -498,6 +499,8 @@ def bench_agents(
     json_path: Path = typer.Option(None, "--json", help="Where to write the JSON (default "
                                    "bench/results/agents-<model>.json, or agents-langchain-<model>.json; rows of other "
                                    "arms and traces are kept)."),
+    replot: bool = typer.Option(False, "--replot", help="Only draw the plot again from the JSON's rows (nothing "
+                                "runs)."),
 ) -> None:
     """Agents that change their own prompt between turns (the time line, a memory block, cleared tool results, a
     summary, the tools bound), sent through the openai client: prompt tokens each engine computes and TTFT per turn."""
@@ -508,6 +511,10 @@ def bench_agents(
         console.print(f"[red]error:[/] unknown model {model!r}: use {', '.join(REGISTRY)}")
         raise typer.Exit(2)
     names = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    if replot and (framework or langchain):
+        console.print("[red]error:[/] --replot draws the agents' traces (kvagent bench agents --replot): leave out "
+                      "--langchain and --framework")
+        raise typer.Exit(2)
     if framework:
         _bench_framework_agents(model, framework, turns, json_path)
         return
@@ -518,6 +525,14 @@ def bench_agents(
     targets = targets or ",".join(agents.TARGETS)
     traces = traces or ",".join(agent_traces.TRACES)
     json_path = json_path or agents.default_json(model)
+    if replot:
+        if not json_path.is_file():
+            console.print(f"[red]error:[/] --replot draws {json_path}'s rows: run the benchmark first (or name the "
+                          "JSON with --json)")
+            raise typer.Exit(2)
+        agents.plot(json.loads(json_path.read_text())["rows"], json_path.with_suffix(".png"), model)
+        console.print(f"plot: {json_path.with_suffix('.png')}")
+        return
     with console.status("agents benchmark") as status:
         try:
             doc = agents.run(model, names(targets), names(traces), turns, json_path, command_line(),
