@@ -26,13 +26,13 @@ from kvagent.errors import ContextOverflowError, KVAgentError, SessionClosedErro
 from kvagent.fields import check_changes
 from kvagent.generation import Decoder, Generation, GenerationStream, ReplyTokens, generation_work, start_stream
 from kvagent.kv.persist import restore_blob, save_blob
-from kvagent.kv.pool import Retained
+from kvagent.kv.pool import TIER_MIN_TOKENS, Retained
 from kvagent.kv.sequence import CachedSequence
 from kvagent.kv.rebase import plan as plan_rebase
 from kvagent.kv.rebase import rebase
 from kvagent.kv.splice import Refresh, splice_field, splice_refusal
 from kvagent.kv.work import Work
-from kvagent.kv.sync import PrefillReport, sync
+from kvagent.kv.sync import PrefillReport, free_start, sync
 from kvagent.sampling import Sampler, SamplingParams
 from kvagent.scheduler import Job, Scheduler
 from kvagent.segments import Renderer, Rendered, Segment, SegmentKind, Span, common_prefix, field_values
@@ -208,7 +208,8 @@ class Session:
         """About to be given the resent prompt ``segments`` (then ``tail``): take the retained conversation of this
         scope (``SequencePool.retained``: a closed session's cells, or one this session left) that keeps the most
         of it once its changed regions are edited in place, when that beats what this session's own cache keeps
-        (or, caching nothing, the prefix another sequence gives) by :data:`RESUME_GAIN` tokens. Its cells become
+        (or, caching nothing, what starting afresh keeps: the prefix another sequence or a tier gives, and the
+        compiled skills transplanted after it) by :data:`RESUME_GAIN` tokens. Its cells become
         this session's, and the next :meth:`rebase_work` edits them into ``segments`` ("beyond a prefix": a
         history resent with a line changed near its top keeps the rest). A conversation this session leaves
         (resuming another, or a prompt that keeps less than half of it: an agent's side request under the same
@@ -226,8 +227,9 @@ class Session:
                                                                   *tail]))
         if own:
             kept_here = self._kept(self.rendered, self._segments, first)
-        else:
-            kept_here = cache.pool.index.match(first.tokens, exclude=cache.seq, scope=cache.scope)[1]
+        else:  # what starting afresh keeps: a prefix of the pool or a tier, and the compiled skills transplanted
+            library = self._skills()
+            kept_here = free_start(cache, first, skills=library, renderer_sink=lambda: library.sink(self.renderer))
         # at most that little left to compute: not worth a search
         searched = len(first.tokens) - kept_here >= 2 * RESUME_GAIN
         candidates = [r for r in reversed(cache.pool.retained) if searched and r.scope == cache.scope
@@ -246,6 +248,8 @@ class Session:
                 self._leave()  # most of this conversation is about to go: keep it for a request that comes back
             return segments
         memo = best.memo
+        if len(best.tokens) - best_kept >= TIER_MIN_TOKENS:  # the edit drops a part worth storing: a copy in the
+            cache.pool.store_copy(best)  # tiers, for a request of the prompt it held to come back to
         if own:
             cache.pool.touch(best.seq)  # the most recently used: taking a sequence for what is left gives back another
             self._leave(best)
@@ -258,7 +262,7 @@ class Session:
         self._segments, self._rendered = list(memo.segments), memo.rendered
         self._resumed = len(memo.rendered.tokens)
         log.info("seq %d resumed a retained conversation of %d tokens (seq %d): %d of %d tokens kept (its own cache "
-                 "or the prefix index offered %d)", cache.seq, len(memo.rendered.tokens), best.seq, best_kept,
+                 "or a fresh start offered %d)", cache.seq, len(memo.rendered.tokens), best.seq, best_kept,
                  len(first.tokens), kept_here)
         return best_segments
 

@@ -167,12 +167,39 @@ class SequencePool:
         n = len(self.index.indexed(seq))
         if n < TIER_MIN_TOKENS or not self.backend.capabilities.state_save:
             return
+        self._trim(seq, n)
+        self._put(seq, retained, n)
+
+    def store_copy(self, retained: Retained) -> bool:
+        """Save ``retained``'s clean prefix into the tiers while its cells stay where they are: before another prompt
+        takes the conversation over, so that its own can come back to it. A conversation clean to its end is saved
+        as it is; one with cells past its clean prefix, through a copy in a free sequence. False where there is no
+        tier, too little to keep, or no free sequence for a copy."""
+        with self.lock:
+            n = len(self.index.indexed(retained.seq))
+            if (self.tiers is None or n < TIER_MIN_TOKENS or not self.backend.capabilities.state_save
+                    or self._retained.get(retained.seq) is not retained):
+                return False
+            if n == len(retained.tokens) and self.backend.seq_pos_range(retained.seq)[1] < n:
+                return self._put(retained.seq, retained, n)
+            if not self._free:
+                return False
+            seq = self.take("a copy for the tiers")
+            try:
+                self.share(retained.seq, seq, 0, n)
+                return self._put(seq, retained, n)
+            finally:
+                self.release(seq)
+
+    def _put(self, seq: int, retained: Retained, n: int) -> bool:
+        """``seq``'s cells (``retained``'s first ``n`` tokens) as a checked blob into the tiers."""
         try:
-            self._trim(seq, n)
             blob = KVBlob(self.fingerprint, self.backend.format, retained.tokens[:n], self.backend.seq_save(seq))
             self.tiers.put(blob.tokens, retained.scope, blob.to_bytes())  # type: ignore[union-attr]
+            return True
         except Exception as exc:  # noqa: BLE001 - a tier is a cache: failing to fill it loses nothing live
-            log.warning("retained seq %d could not be stored in the tiers (%s): dropped", seq, exc)
+            log.warning("retained seq %d could not be stored in the tiers (%s): dropped", retained.seq, exc)
+            return False
 
     def _trim(self, seq: int, n: int) -> None:
         """Remove ``seq``'s cells at positions ``n`` and later (it shares nothing from there)."""

@@ -179,6 +179,24 @@ def _from_tier(state: CachedSequence, new: tuple[int, ...]) -> int:
     return n
 
 
+def free_start(state: CachedSequence, rendered: Rendered, *, skills: SkillLibrary | None,
+               renderer_sink: Callable[[], list[int]] | None = None) -> int:
+    """Tokens of ``rendered`` a sync into ``state``, caching nothing yet, would not decode: the longest prefix the
+    pool's index or a tier offers, and the compiled skills it transplants after it (what resuming a retained
+    conversation must beat)."""
+    tokens, pool = rendered.tokens, state.pool
+    start = pool.index.match(tokens, exclude=state.seq, scope=state.scope)[1]
+    found = pool.tiers.match(tokens, state.scope) if pool.tiers is not None and state.evictor is None else None
+    start = min(max(start, found[2] if found is not None else 0), len(tokens) - 1)
+    caps = state.backend.capabilities
+    if skills is None or not (caps.shift and caps.state_save):
+        return start
+    sink = renderer_sink() if renderer_sink is not None else None
+    start = _before_skill(rendered, start, skills, renderer_sink)
+    runs = plan_runs(rendered, start, lambda span: skills.lookup(span, sink))
+    return start + sum(run.length for run in runs if run.skill is not None)
+
+
 def _before_skill(
     rendered: Rendered, position: int, library: SkillLibrary | None, renderer_sink: Callable[[], list[int]] | None
 ) -> int:

@@ -134,6 +134,84 @@ def test_a_side_request_under_the_same_key_does_not_lose_the_conversation(engine
     assert back.token_ids == cold_gen.token_ids
 
 
+AGENTS = [f"You are the {desk} agent of a bicycle shop.\n" + "\n".join(
+    f"Rule {i}: {rule} {i * 3}." for i in range(8)) for desk, rule in [
+    ("workshop", "book a repair slot only after checking the bench calendar, page"),
+    ("orders", "quote the delivery estimate from the courier's table, row")]]
+"""Two agents' system prompts: nothing in common after "You are the"."""
+
+
+@pytest.mark.parametrize("pressure", [False, pytest.param(True, marks=pytest.mark.full)],
+                         ids=["in the pool", "given back to host memory"])
+def test_agents_taking_turns_each_come_back_to_their_own_prompt(engine: Any, pressure: bool) -> None:
+    """Two agents with their own system prompts and the same compiled tools take turns, A B A, each request a new
+    session. B starts afresh, the tools transplanted, rather than resuming A's conversation to keep only the tools;
+    so A's next conversation keeps its whole prompt: from the pool, or, where the pool needed the room after each
+    request, restored from host memory. Its reply is a cold session's."""
+    from tests.tool_cases import TOOLS
+
+    where = scope()
+    tools = engine.tool_segments(TOOLS, scope=where)
+
+    def prompt(agent: int, question: str) -> list[Any]:
+        return [*to_segments([ChatMessage("system", AGENTS[agent])]), *tools, *to_segments([ChatMessage("user",
+                                                                                                        question)])]
+
+    def request(agent: int, question: str) -> Any:
+        with engine.session(scope=where) as session:
+            gen = session.generate(6, segments=prompt(agent, question))
+        if pressure:
+            while engine.pool.reclaim():  # the pool needs the room: retained prefixes go to the RAM tier
+                pass
+        return gen
+
+    request(0, QUESTIONS[0])
+    other = request(1, QUESTIONS[1])
+    back = request(0, QUESTIONS[2])
+    question = len(engine.renderer(True, where).render(to_segments([ChatMessage("user", QUESTIONS[2])])).tokens)
+    assert other.resumed == 0 and back.resumed == 0, (other.resumed, back.resumed)
+    assert back.computed <= question + 8, back.computed
+    assert (back.restored > 0) is pressure
+    with engine.session(prompt(0, QUESTIONS[2]), share_prefix=False) as cold:
+        assert back.token_ids == cold.generate(6).token_ids
+
+
+REFERENCE = "\n".join(f"Courier table row {i}: zone {i % 5}, {i + 2} working days, tracking prefix LK{i * 11}."
+                      for i in range(10))
+"""A reference block both agents' prompts hold, after their own instructions."""
+
+
+@pytest.mark.parametrize("n_seq_max", [None, pytest.param(2, marks=pytest.mark.full)],
+                         ids=["free sequences", "no free sequence"])
+def test_a_conversation_another_prompt_takes_over_is_kept_in_host_memory_for_its_own(engine: Any,
+                                                                                   n_seq_max: int | None) -> None:
+    """Agent B's prompt holds the reference block agent A's conversation holds, after instructions of its own: B
+    resumes A's retained conversation to keep the block, and A's conversation, whose instructions B drops, is saved
+    into host memory first (copied through a free sequence, or saved as it is where none is free: a pool of two,
+    B's session and A's conversation); A's next conversation restores it (the question computed, nothing else) and
+    answers as a cold session does."""
+    if n_seq_max is not None:
+        from kvagent import Engine
+
+        with Engine.load(engine.model.name, n_ctx=2048, n_seq_max=n_seq_max) as small:
+            test_a_conversation_another_prompt_takes_over_is_kept_in_host_memory_for_its_own(small, None)
+        return
+    where = scope()
+
+    def prompt(agent: int, question: str) -> list[ChatMessage]:
+        return [ChatMessage("system", AGENTS[agent] + "\n\n" + REFERENCE), ChatMessage("user", question)]
+
+    keyless(engine, prompt(0, QUESTIONS[0]), where)
+    other, _ = keyless(engine, prompt(1, QUESTIONS[1]), where)
+    stored = len(engine.tiers)  # type: ignore[arg-type]
+    back, _ = keyless(engine, prompt(0, QUESTIONS[2]), where)
+    question = len(engine.renderer(True).render(to_segments([ChatMessage("user", QUESTIONS[2])])).tokens)
+    assert other.resumed > 0 and stored >= 1, (other.resumed, stored)
+    assert back.restored > 0 and back.computed <= question + 8, (back.restored, back.computed)
+    with engine.session(to_segments(prompt(0, QUESTIONS[2])), share_prefix=False) as cold:
+        assert back.token_ids == cold.generate(6).token_ids
+
+
 def resident_bytes() -> int:
     """This process's resident memory (``VmRSS``)."""
     for line in open("/proc/self/status", encoding="ascii"):

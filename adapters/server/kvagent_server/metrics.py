@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -67,9 +69,12 @@ class Metrics:
         """The engine's retained sequences and tiers (``kvagent.kv.pool``, ``kvagent.kv.tiers``), read at scrape
         time."""
         self.retained.labels("pool").set_function(lambda: float(len(engine.pool.retained)))
-        for tier in engine.tiers.tiers() if engine.tiers is not None else ():
+        tiers = engine.tiers.tiers() if engine.tiers is not None else []
+        for tier in tiers:
             self.retained.labels(tier.name).set_function(lambda t=tier: float(len(t)))
             self.retained_bytes.labels(tier.name).set_function(lambda t=tier: float(t.bytes))
+        if tiers:
+            self.registry.register(_TierRestores(tiers))
 
     def watch_sessions(self, held: Callable[[], float]) -> None:
         """The proxy's sessions (layouts held), read at scrape time."""
@@ -86,3 +91,18 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _TierRestores(Collector):
+    """``kvagent_tier_restores_total{tier}``: prefixes a new session restored from each tier (``Tier.hits``, read
+    at scrape time): whether the tiers earn their memory."""
+
+    def __init__(self, tiers: list[Any]) -> None:
+        self.tiers = tiers
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("kvagent_tier_restores", "Prefixes restored from each tier by new sessions.",
+                                     labels=["tier"])
+        for tier in self.tiers:
+            family.add_metric([tier.name], float(tier.hits))
+        yield family

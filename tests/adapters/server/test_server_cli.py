@@ -94,3 +94,35 @@ def test_field_declarations_are_validated_with_their_index(fields: object, where
     with pytest.raises(ValidationError) as info:
         SessionCreate.model_validate({"fields": fields})
     assert any(tuple(e["loc"])[: len(where)] == where for e in info.value.errors()), info.value.errors()
+
+
+@pytest.mark.parametrize("restores", [0, 1, 2])
+def test_tier_restores_are_counted_in_the_metrics(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                  restores: int) -> None:
+    """``kvagent_tier_restores_total{tier}``: each new session that restores a prefix from a tier counts once, on
+    that tier (a fake backend: pure bookkeeping)."""
+    from kvagent.backends.fake import FakeBackend
+    from kvagent.engine import Engine, EngineSettings
+    from kvagent.segments import Segment
+    from kvagent_server.metrics import Metrics
+
+    monkeypatch.setenv("KVAGENT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "fake-model.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(60)))
+    engine = Engine(EngineSettings(model=str(path), n_ctx=256, n_seq_max=4, cache_ram_mb=8, cache_disk_mb=8),
+                    backend=FakeBackend(n_ctx=256, n_seq_max=4))
+    metrics = Metrics()
+    metrics.watch_retained(engine)
+    policy = [Segment.policy("You are a terse assistant that answers in words " * 12)]
+    try:
+        with engine.session(policy, chat=False) as s:
+            s.prefill()
+        for _ in range(restores):
+            assert engine.pool.reclaim()  # given back: the prefix goes to the RAM tier
+            with engine.session([*policy, Segment.user("hi")], chat=False) as s:
+                assert s.prefill().restored > 0
+        page = metrics.render().decode()
+        assert f'kvagent_tier_restores_total{{tier="ram"}} {float(restores)}' in page
+        assert 'kvagent_tier_restores_total{tier="disk"} 0.0' in page
+    finally:
+        engine.close()
