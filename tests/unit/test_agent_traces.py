@@ -4,6 +4,7 @@ between consecutive turns, tool calls answered by their results, and the per-arm
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Iterator
 
 import pytest
@@ -43,12 +44,14 @@ def test_the_main_system_prompt_is_about_2900_tokens(count: Any) -> None:
 @pytest.mark.parametrize("name", at.TRACES)
 def test_every_prompt_is_2k_to_8k_tokens_and_the_system_prompt_2k_to_4k(name: str, traces: dict[str, at.Trace],
                                                                         count: Any) -> None:
+    """(``fleet``'s agents each have a part of the handbook: 0.6-1.5k tokens of system prompt, 1.5k-8k in all.)"""
     tr = traces[name]
+    system, whole = ((600, 1500), 1500) if name == "fleet" else ((2000, 4000), 2000)
     assert len(tr.turns) == at.TURNS
     for turn in tr.turns:
         assert turn.messages[0]["role"] == "system" and turn.messages[-1]["role"] in ("user", "tool")
-        assert 2000 <= count(turn.messages[0]["content"]) <= 4000
-        assert 2000 <= count(at.render_chatml(turn)) <= 8000 - 2 * at.TURNS
+        assert system[0] <= count(turn.messages[0]["content"]) <= system[1]
+        assert whole <= count(at.render_chatml(turn)) <= 8000 - 2 * at.TURNS
 
 
 @pytest.mark.parametrize("name", at.TRACES)
@@ -247,6 +250,22 @@ def test_conversations_are_new_each_request_with_one_system_prompt_and_eight_too
     assert len({t.messages[1]["content"] for t in turns}) == at.TURNS
 
 
+def test_fleet_is_three_agents_taking_turns_each_request_a_new_conversation(traces: dict[str, at.Trace]) -> None:
+    turns = traces["fleet"].turns
+    systems = [t.messages[0]["content"] for t in turns]
+    intros = [intro for intro, _ in at.FLEET]
+    assert [intros.index(text.split("\n\n", 1)[0]) for text in systems] == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert [t.conversation for t in turns] == list(range(at.TURNS))
+    assert len(set(systems)) == 3
+    shared = [len(os.path.commonprefix([a, b])) for a in set(systems) for b in set(systems) if a != b]
+    assert max(shared) == len("You are ")  # the agents' prompts part at once: nothing but that is a common prefix
+    titles = [title for _, own in at.FLEET for title in own]
+    assert len(titles) == len(set(titles))  # no section in two agents' prompts
+    assert all(f"## {title}\n" in at.fleet_system(k) for k, (_, own) in enumerate(at.FLEET) for title in own)
+    assert all(t.tools == turns[0].tools for t in turns) and len(turns[0].tools or ()) == 8
+    assert [t.messages[1]["content"] for t in turns] == list(at.CONVERSATION_QUESTIONS)
+
+
 @pytest.mark.parametrize("arm, trace_name, conversation, key", [
     ("kvagent", "clock", 0, "clock-agent"),
     ("kvagent", "conversations", 0, "conversations-agent"),
@@ -346,9 +365,36 @@ def test_run_keeps_the_keyless_arm_apart_from_the_keyed_one(tmp_path: Any, monke
     ('kvagent_retained{where="pool"} 3.0\nkvagent_retained{where="ram"} 1.0\n'
      'kvagent_retained_bytes{tier="ram"} 1.2345e+06\n', {"pool": 3.0, "ram": 1.0, "ram_bytes": 1234500.0}),
     ('# HELP kvagent_retained x\nkvagent_retained{where="pool"} 0.0\nkvagent_kv_cells_used 7.0\n', {"pool": 0.0}),
+    ('kvagent_tier_restores_total{tier="ram"} 2.0\nkvagent_tier_restores_created{tier="ram"} 1.7e+09\n'
+     'kvagent_tier_restores_total{tier="disk"} 0.0\n', {"ram_restores": 2.0, "disk_restores": 0.0}),
     ("", {}),
 ])
 def test_the_retained_kv_is_read_from_the_servers_metrics(page: str, expected: dict[str, float]) -> None:
     from kvagent_bench import agents
 
     assert agents.retained_of(page) == expected
+
+
+@pytest.mark.parametrize(("retained", "expected"), [
+    ([{"ram_restores": 0.0, "disk_restores": 0.0}, {"ram_restores": 1.0, "disk_restores": 0.0},
+      {"ram_restores": 1.0, "disk_restores": 1.0}, {"ram_restores": 3.0, "disk_restores": 1.0}], [0, 1, 1, 2]),
+    ([{"pool": 1.0}, {"pool": 2.0}], [None, None]),  # tiers off: the server reports none
+    ([None, {"ram_restores": 1.0}], [None, 1]),  # an arm that is not kvagent serve
+])
+def test_tier_restores_per_turn_are_the_servers_count_against_the_turn_before(retained: list[Any],
+                                                                              expected: list[int | None]) -> None:
+    from kvagent_bench.agents import tier_restores
+
+    assert tier_restores([{"retained": r} for r in retained]) == expected
+
+
+def test_the_summary_keeps_the_turns_whose_system_prompt_came_before_apart() -> None:
+    from kvagent_bench.agents import summarise
+
+    # fleet: agents A B C A B; the last two come back to a system prompt sent before
+    rows = [{"arm": "kvagent-keyless", "trace": "fleet", "turn": k, "changed": k > 0, "seen_system": k >= 3,
+             "prompt_tokens": 900, "cached": 900 - c, "computed": c, "ttft_s": t, "wall_s": t + 0.1}
+            for k, (c, t) in enumerate([(900, 5.0), (880, 4.8), (1400, 7.9), (30, 0.4), (20, 0.3)])]
+    s = summarise(rows)["kvagent-keyless"]["fleet"]
+    assert (s["seen_computed_median"], s["seen_ttft_s_median"]) == (25, 0.35)
+    assert s["computed_median"] == (880 + 30) / 2  # over every changed turn: 880, 1400, 30, 20

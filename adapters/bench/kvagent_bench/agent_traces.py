@@ -19,6 +19,11 @@ and e-bike company; its system prompt is built from :data:`HANDBOOK` (~2.9k Smol
 - ``tools``: a different 3-5 of :data:`TOOL_SPECS`' ten tools bound each turn (``LLMToolSelectorMiddleware``).
 - ``conversations``: every request a new conversation (:attr:`Turn.conversation`): the same system prompt (no clock)
   and the same eight tools (:data:`CONVERSATION_TOOLS`), a different customer's first question each time.
+- ``fleet``: three agents with instructions of their own (:data:`FLEET`: each its first line and its own sections of
+  the handbook, 0.7-1.4k tokens; no two share more than "You are ") take turns, A B C A B C A B: every request a new
+  conversation of the next agent, with the eight tools and the next customer's first question. An engine that keeps
+  one prefix computes every request's system prompt; one that keeps all three computes only the questions from the
+  fourth request on.
 
 :func:`trace` builds one (fresh dicts each call), :func:`render_chatml` writes a turn the way SmolLM2's template
 does (for counting tokens), :func:`tool_call_ids` pairs calls and results.
@@ -30,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-TRACES = ("clock", "memory", "cleared", "summary", "tools", "conversations")
+TRACES = ("clock", "memory", "cleared", "summary", "tools", "conversations", "fleet")
 TURNS = 8
 CLEARED = "[cleared]"
 """What ``ClearToolUsesEdit`` writes over an old tool result (its default placeholder)."""
@@ -747,8 +752,38 @@ def conversations_trace() -> Trace:
                  "customer's first question", turns)
 
 
+# -- fleet (three agents taking turns, each request a new conversation) --------------------------------------
+FLEET: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (INTRO, ("How you work", "Voice and tone", "Verifying the customer", "Escalating to a colleague", "Using tools",
+             "Writing replies")),
+    ("You are Rowan, the workshop agent of Larkspur Cycle Works: you book services and repairs in the Bristol, Leeds "
+     "and Glasgow workshops and answer questions about servicing, warranty and battery care.",
+     ("Warranty", "Workshops and repairs", "Battery safety", "Larkspur Care")),
+    ("You are Hazel, the orders agent of Larkspur Cycle Works: you track deliveries from the web store across the UK "
+     "and Ireland, and handle click and collect, returns, exchanges and the range.",
+     ("Orders, payment and delivery", "Click and collect", "Returns and exchanges", "The current range")),
+)
+"""Each agent's first line and the handbook sections of its system prompt (no section in two agents')."""
+
+
+def fleet_system(agent: int) -> str:
+    """Agent ``agent``'s system prompt: its first line, then its sections of the handbook."""
+    intro, titles = FLEET[agent]
+    sections = dict([*HANDBOOK, ("The current range", catalogue_text()), *HANDBOOK_TAIL])
+    return intro + "\n\n" + "\n\n".join(f"## {title}\n{sections[title]}" for title in titles)
+
+
+def fleet_trace() -> Trace:
+    tools = tool_specs(*CONVERSATION_TOOLS)
+    turns = [Turn([{"role": "system", "content": fleet_system(k % len(FLEET))}, _user(question)],
+                  json.loads(json.dumps(tools)), k)
+             for k, question in enumerate(CONVERSATION_QUESTIONS)]
+    return Trace("fleet", "three agents taking turns (A B C A B C A B), each request a new conversation: its agent's "
+                 "own system prompt, eight tools and another customer's first question", turns)
+
+
 BUILDERS = {"clock": clock_trace, "memory": memory_trace, "cleared": cleared_trace, "summary": summary_trace,
-            "tools": tools_trace, "conversations": conversations_trace}
+            "tools": tools_trace, "conversations": conversations_trace, "fleet": fleet_trace}
 
 
 def trace(name: str, turns: int | None = None) -> Trace:

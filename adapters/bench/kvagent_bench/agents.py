@@ -4,8 +4,9 @@ between turns, driven only through the official ``openai`` client, as a user of 
 The traces (:mod:`kvagent_bench.agent_traces`): ``clock`` (the time on the system prompt's second line), ``memory``
 (a Letta-style memory block edited by a tool), ``cleared`` (old tool results replaced by ``[cleared]``),
 ``summary`` (the oldest turns replaced by a summary) and ``tools`` (a different subset of tools bound each turn);
-8 turns each, the first cold; and ``conversations`` (8 new conversations, each one request with the same system
-prompt and eight tools and another first question). Every request is the whole message list (and ``tools``), fixed
+8 turns each, the first cold; ``conversations`` (8 new conversations, each one request with the same system
+prompt and eight tools and another first question); and ``fleet`` (the same, from three agents with their own
+system prompts taking turns). Every request is the whole message list (and ``tools``), fixed
 in the trace, so every engine gets the same requests; the model's replies are read and thrown away.
 
 Arms, each started fresh on 127.0.0.1 for each trace, with an 8,192-token context and one unmeasured warm-up
@@ -21,6 +22,11 @@ request ("Hello", 1 token):
   (0: none was resumed; None on the other arms); ``kvagent-keyless no-fa``: the same with ``--no-flash-attn``
   (llama.cpp's CPU flash attention decodes a short suffix over one long shared prefix slower than the plain
   path; it wins where the pool holds many sessions' cells, hence the server's default);
+- ``kvagent-keyless pool 2`` / ``kvagent-keyless pool 2 no tiers`` (target ``kvagent-small-pool``): the keyless arm
+  with a KV pool of :data:`SMALL_POOL` sequences, as on a server whose pool other sessions fill: one retained
+  conversation stays in the pool, the one before goes to the host-memory tier (its default size), or nowhere with
+  ``--cache-ram-mb 0 --cache-disk-mb 0``; on ``fleet`` an agent's next conversation then restores its prefix from
+  the tier, or computes it;
 - ``llama-server`` / ``llama-server reuse``: llama.cpp's own server (``make llama-server``; skipped, saying so,
   when it is not built), one slot, ``-c 8192``, prompt caching on (its default), without and with
   ``--cache-reuse 256``; GGUF's own chat template (Jinja), or llama.cpp's built-in one without Jinja for a GGUF
@@ -58,7 +64,9 @@ from kvagent_bench.common import RESULTS_DIR, median, read_results, write_json
 N_CTX = 8192
 MAX_TOKENS = 8
 REUSE = 256  # llama-server --cache-reuse: the chunk size its README and its server tests use
-TARGETS = ("kvagent", "kvagent-keyless", "llama-server", "llama-cpp-python")
+TARGETS = ("kvagent", "kvagent-keyless", "kvagent-small-pool", "llama-server", "llama-cpp-python")
+SMALL_POOL = 2
+"""Sequences of the ``kvagent-small-pool`` arms' KV pool: one request's and one retained conversation's."""
 WARMUP = [{"role": "user", "content": "Hello"}]
 
 
@@ -75,9 +83,12 @@ class Arm:
 
 ARMS = (Arm("kvagent", "kvagent"), Arm("kvagent-keyless", "kvagent-keyless", keyed=False),
         Arm("kvagent-keyless no-fa", "kvagent-keyless", keyed=False, serve_args=("--no-flash-attn",)),
+        Arm("kvagent-keyless pool 2", "kvagent-small-pool", keyed=False, serve_args=("--n-seq-max", str(SMALL_POOL))),
+        Arm("kvagent-keyless pool 2 no tiers", "kvagent-small-pool", keyed=False,
+            serve_args=("--n-seq-max", str(SMALL_POOL), "--cache-ram-mb", "0", "--cache-disk-mb", "0")),
         Arm("llama-server", "llama-server"), Arm("llama-server reuse", "llama-server", REUSE),
         Arm("llama-cpp-python", "llama-cpp-python"))
-SERVE_TARGETS = ("kvagent", "kvagent-keyless")
+SERVE_TARGETS = ("kvagent", "kvagent-keyless", "kvagent-small-pool")
 RESUMED = re.compile(r"resumed a retained conversation of \d+ tokens \(seq \d+\): (\d+) of \d+ tokens kept")
 """The server's INFO line when a new session resumes a retained conversation (its group: the tokens kept)."""
 
@@ -107,6 +118,11 @@ def settings(model: str) -> dict[str, str]:
                            f"key (a temporary session per request, its cells retained); {common}",
         "kvagent-keyless no-fa": f"kvagent serve --n-ctx {N_CTX} --log-level info --no-flash-attn, no session key; "
                                  f"{common}",
+        "kvagent-keyless pool 2": f"kvagent serve --n-ctx {N_CTX} --log-level info --n-seq-max {SMALL_POOL} (a pool "
+                                  "that keeps one retained conversation beside the request; the tiers their defaults: "
+                                  f"1,024 MiB of host memory, 4,096 MiB of disk), no session key; {common}",
+        "kvagent-keyless pool 2 no tiers": f"kvagent serve --n-ctx {N_CTX} --log-level info --n-seq-max {SMALL_POOL} "
+                                           f"--cache-ram-mb 0 --cache-disk-mb 0, no session key; {common}",
         "llama-server": f"{server}; {common}",
         "llama-server reuse": f"{server}, --cache-reuse {REUSE}; {common}",
         "llama-cpp-python": f"llama_cpp.Llama(n_ctx={N_CTX}).create_chat_completion in process (the backend "
@@ -250,13 +266,15 @@ class LlamaCppPythonArm:
         self.chat.close()
 
 
-RETAINED = re.compile(r'^kvagent_retained(_bytes)?\{(?:where|tier)="(\w+)"\} ([0-9.e+]+)$', re.M)
+RETAINED = re.compile(r'^kvagent_(retained|retained_bytes|tier_restores_total)\{(?:where|tier)="(\w+)"\} '
+                      r'([0-9.e+]+)$', re.M)
+_SUFFIX = {"retained": "", "retained_bytes": "_bytes", "tier_restores_total": "_restores"}
 
 
 def retained_of(metrics: str) -> dict[str, float]:
-    """``kvagent_retained{where}`` and ``kvagent_retained_bytes{tier}`` of a ``/metrics`` page, as
-    ``{where: count, f"{tier}_bytes": bytes}``."""
-    return {(f"{name}_bytes" if size else name): float(value) for size, name, value in RETAINED.findall(metrics)}
+    """``kvagent_retained{where}``, ``kvagent_retained_bytes{tier}`` and ``kvagent_tier_restores_total{tier}`` of a
+    ``/metrics`` page, as ``{where: count, f"{tier}_bytes": bytes, f"{tier}_restores": restores so far}``."""
+    return {f"{name}{_SUFFIX[metric]}": float(value) for metric, name, value in RETAINED.findall(metrics)}
 
 
 def resumes(log: str) -> list[int]:
@@ -298,8 +316,9 @@ def run_trace(arm: Arm, model: str, tr: Trace, log_dir: Path, progress: Callable
         for k, turn in enumerate(tr.turns):
             progress(f"{arm.name} {tr.name}: turn {k + 1}/{len(tr.turns)}")
             got = runner.turn(session_key(arm, tr.name, turn), turn)
+            seen = any(t.messages[0] == turn.messages[0] for t in tr.turns[:k])
             rows.append({"arm": arm.name, "target": arm.target, "trace": tr.name, "turn": k, "changed": k > 0,
-                         "conversation": turn.conversation, "messages": len(turn.messages),
+                         "seen_system": seen, "conversation": turn.conversation, "messages": len(turn.messages),
                          "tools": len(turn.tools or ()), "resumed": None, **got})
     finally:
         runner.close()
@@ -309,8 +328,9 @@ def run_trace(arm: Arm, model: str, tr: Trace, log_dir: Path, progress: Callable
 # -- summary, JSON, plot -------------------------------------------------------------------------------------
 def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per arm and trace: medians over the changed turns (computed, cached share, TTFT, wall), the hit rate over them
-    (cached / prompt tokens, summed), the tokens each turn resumed (keyless arm), the cold turn, and the TTFT and
-    computed ratios to kvagent's on the same trace; per arm, the same medians over all traces."""
+    (cached / prompt tokens, summed), the tokens each turn resumed (keyless arm) and restored from a tier, the cold
+    turn, the medians over the turns whose system prompt an earlier turn sent (``seen_*``), and the TTFT and computed
+    ratios to kvagent's on the same trace; per arm, the same medians over all traces."""
     out: dict[str, Any] = {}
     arms = [a.name for a in ARMS if any(r["arm"] == a.name for r in rows)]
     for arm in arms:
@@ -335,6 +355,10 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "cold_computed": cold["computed"] if cold else None,
                 "cold_ttft_s": cold["ttft_s"] if cold else None,
                 "retained_last": turns[-1].get("retained"),
+                "tier_restores_per_turn": tier_restores(turns),
+                # the turns whose system prompt an earlier turn sent (fleet: an agent coming back)
+                "seen_ttft_s_median": median([r["ttft_s"] for r in changed if r.get("seen_system")]),
+                "seen_computed_median": median([r["computed"] for r in changed if r.get("seen_system")]),
             }
         changed_all = [r for r in mine if r["changed"]]
         per["all"] = {"computed_median": median([r["computed"] for r in changed_all]),
@@ -351,6 +375,18 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             entry["ttft_vs_kvagent"] = entry["ttft_s_median"] / base["ttft_s_median"] if base["ttft_s_median"] else None
             entry["computed_vs_kvagent"] = (entry["computed_median"] / base["computed_median"]
                                             if base["computed_median"] else None)
+    return out
+
+
+def tier_restores(turns: Sequence[dict[str, Any]]) -> list[int | None]:
+    """How many prefixes each turn restored from the server's tiers (its ``kvagent_tier_restores_total``, summed over
+    the tiers, against the turn before; None where the arm reports no tiers)."""
+    out: list[int | None] = []
+    before = 0.0
+    for r in turns:
+        counts = [v for k, v in (r.get("retained") or {}).items() if k.endswith("_restores")]
+        out.append(int(sum(counts) - before) if counts else None)
+        before = sum(counts) if counts else before
     return out
 
 

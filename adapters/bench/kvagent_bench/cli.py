@@ -481,12 +481,14 @@ def bench_disk_formats(
 def bench_agents(
     model: str = typer.Option("smollm2-135m", help="Registry model: smollm2-135m, gemma3-270m or qwen2.5-coder-0.5b."),
     targets: str = typer.Option(None, help="Engines, comma-separated: kvagent (kvagent serve, keyed by "
-                                "prompt_cache_key), kvagent-keyless (kvagent serve, no session key), llama-server "
+                                "prompt_cache_key), kvagent-keyless (kvagent serve, no session key), "
+                                "kvagent-small-pool (the same with a pool of two sequences, with and without the "
+                                "tiers), llama-server "
                                 "(llama.cpp's server, `make llama-server`; two arms: prompt cache, and --cache-reuse "
                                 "256), llama-cpp-python (in process) [default: all]. With --langchain: middleware, "
                                 "chat-model, recompute, llama-server [default: all]."),
     traces: str = typer.Option(None, help="Agent traces, comma-separated [default: clock,memory,cleared,summary,tools,"
-                               "conversations; "
+                               "conversations,fleet; "
                                "with --langchain: dynamic,context,summary,tools]."),
     turns: int = typer.Option(8, min=1, max=8, help="Turns of each trace (the first is cold); with --framework, the "
                               "number of agent tasks."),
