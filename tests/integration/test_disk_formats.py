@@ -81,7 +81,7 @@ def continued(engine: Any, blob: bytes) -> np.ndarray:
 def test_a_disk_tier_file_in_each_format_restores_a_session_that_goes_on(engine: Any, saved: bytes, name: str,
                                                                        tmp_path: Path) -> None:
     """Lossless formats continue exactly as the saved bytes do; q8_0 within a cosine of 0.99, the same top token
-    (BENCHMARKS.md, "Retained KV on disk", measures it on longer prompts)."""
+    (docs/benchmarks/retained.md, "Prefixes on disk", measures it on longer prompts)."""
     store = FolderStore(tmp_path / "disk", codec(name))
     size = store.put(1, saved)
     assert size == (tmp_path / "disk" / "1.kv").stat().st_size

@@ -63,7 +63,7 @@ class EngineSettings(BaseModel):
     0: none."""
     cache_disk_format: Format = "f16"
     """How the disk tier writes a prefix: ``f16`` as saved (exact), ``q8_0`` (about 53% of the bytes, lossy) or
-    ``deflate`` (lossless); BENCHMARKS.md, "Retained KV on disk"."""
+    ``deflate`` (lossless); docs/benchmarks/retained.md, "Prefixes on disk"."""
 
     auto_tools: Literal["free", "once"] = "free"
     """How ``tool_choice="auto"`` is decoded: ``free`` (OpenAI's meaning), or ``once``: a tool called since the last
