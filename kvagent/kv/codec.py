@@ -7,8 +7,8 @@ whose checksum is computed again over the decoded payload, so a q8_0 prefix load
 tier's own signature covers the encoded file.
 
 ``q8_0`` is llama.cpp's format for 8-bit caches (``ggml-common.h``, ``block_q8_0``): blocks of 32 values, each an
-f16 scale ``max|x| / 127`` and 32 int8, decoded as ``q * scale``. docs/benchmarks/retained.md ("Prefixes on disk") measures
-size, restore time and fidelity of each format.
+f16 scale ``max|x| / 127`` and 32 int8, decoded as ``q * scale``. docs/benchmarks/retained.md ("Prefixes on disk")
+measures size, restore time and fidelity of each format.
 """
 
 from __future__ import annotations

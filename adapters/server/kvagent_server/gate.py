@@ -83,8 +83,9 @@ def _surrogate_at(value: Any, where: str = "") -> str | None:
 
 
 def check_json(body: bytes, max_depth: int) -> None:
-    """Refuse (``errors.ServerError``, 422) a JSON body nested deeper than ``max_depth``, holding ``NaN`` / ``Infinity``,
-    invalid UTF-8 or a lone surrogate; malformed JSON passes (the route answers it with a 400 naming where).
+    """Refuse (``errors.ServerError``, 422) a JSON body nested deeper than ``max_depth``, holding ``NaN`` /
+    ``Infinity``, invalid UTF-8 or a lone surrogate; malformed JSON passes (the route answers it with a 400 naming
+    where).
 
     Cheap for ordinary bodies: the nesting is measured only where the body holds more brackets than ``max_depth``,
     and the body is parsed here only where it may hold a constant (``NaN``, ``Infinity``) or a surrogate escape
