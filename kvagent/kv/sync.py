@@ -175,6 +175,7 @@ def _from_tier(state: CachedSequence, new: tuple[int, ...]) -> int:
         log.info("seq %d: a stored prefix of %d tokens could not be restored (%s): computing it", state.seq, n, exc)
         return 0
     state.cut(n)
+    tier.restores += 1
     log.info("seq %d restored %d tokens from the %s tier", state.seq, n, tier.name)
     return n
 
@@ -188,13 +189,11 @@ def free_start(state: CachedSequence, rendered: Rendered, *, skills: SkillLibrar
     start = pool.index.match(tokens, exclude=state.seq, scope=state.scope)[1]
     found = pool.tiers.match(tokens, state.scope) if pool.tiers is not None and state.evictor is None else None
     start = min(max(start, found[2] if found is not None else 0), len(tokens) - 1)
-    caps = state.backend.capabilities
-    if skills is None or not (caps.shift and caps.state_save):
+    lookup = _skill_lookup(state, skills, renderer_sink, fetch=False)
+    if lookup is None:
         return start
-    sink = renderer_sink() if renderer_sink is not None else None
     start = _before_skill(rendered, start, skills, renderer_sink)
-    runs = plan_runs(rendered, start, lambda span: skills.lookup(span, sink))
-    return start + sum(run.length for run in runs if run.skill is not None)
+    return start + sum(run.length for run in plan_runs(rendered, start, lookup) if run.skill is not None)
 
 
 def _before_skill(
@@ -216,24 +215,32 @@ def _plan(
     renderer_sink: Callable[[], list[int]] | None,
 ) -> list[Run[CompiledSkill]]:
     """The runs from ``start``; a transplant needs a shiftable cache and a free scratch sequence."""
-    lookup = None
-    caps = state.backend.capabilities
-    if library is not None and caps.shift and caps.state_save:  # a transplant restores a saved skill and shifts it
-        sink = renderer_sink() if renderer_sink is not None else None
-
-        def lookup(tokens: tuple[int, ...]) -> CompiledSkill | None:
-            skill = library.lookup(tokens, sink)
-            if skill is not None:
-                library.fetch(skill)  # checked here: a refused blob fails before the cache changes
-            return skill
-
-    runs = plan_runs(rendered, start, lookup)
+    runs = plan_runs(rendered, start, _skill_lookup(state, library, renderer_sink, fetch=True))
     if any(run.skill is not None for run in runs) and not state.pool.free:
         raise KVAgentError(
             "a transplant needs a free scratch sequence and all are in use: close a session or load the "
             "engine with a larger n_seq_max (nothing was changed)"
         )
     return runs
+
+
+def _skill_lookup(state: CachedSequence, library: SkillLibrary | None, renderer_sink: Callable[[], list[int]] | None,
+                  *, fetch: bool) -> Callable[[tuple[int, ...]], CompiledSkill | None] | None:
+    """The compiled skill a span's tokens transplant (None: decode them), or None where nothing can be transplanted:
+    no library, or a cache that cannot restore a saved skill and shift it. ``fetch``: each skill found is read and
+    checked at once, so a refused blob fails before the cache changes."""
+    caps = state.backend.capabilities
+    if library is None or not (caps.shift and caps.state_save):
+        return None
+    sink = renderer_sink() if renderer_sink is not None else None
+
+    def lookup(tokens: tuple[int, ...]) -> CompiledSkill | None:
+        skill = library.lookup(tokens, sink)
+        if skill is not None and fetch:
+            library.fetch(skill)
+        return skill
+
+    return lookup
 
 
 def _guard(state: CachedSequence, guard: FidelityGuard, tokens: tuple[int, ...], start: int) -> tuple[float, bool]:

@@ -124,7 +124,8 @@ class Tier:
         self.index = PrefixIndex()
         self._entries: OrderedDict[int, Stored] = OrderedDict()  # least recently used first
         self.bytes = 0
-        self.hits = 0
+        self.restores = 0
+        """Prefixes new sessions restored from this tier (counted by the restore, ``kv.sync``)."""
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -196,7 +197,6 @@ class Tier:
                 self._forget(entry)
                 return None
             self._entries.move_to_end(entry.key)
-            self.hits += 1
             return blob
 
     def clear(self) -> None:

@@ -7,7 +7,6 @@ stays fast; the server benchmarks' commands are in :mod:`kvagent_bench.server.cl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -528,11 +527,14 @@ def bench_agents(
     traces = traces or ",".join(agent_traces.TRACES)
     json_path = json_path or agents.default_json(model)
     if replot:
-        if not json_path.is_file():
-            console.print(f"[red]error:[/] --replot draws {json_path}'s rows: run the benchmark first (or name the "
-                          "JSON with --json)")
+        from kvagent_bench.common import read_results
+
+        rows = read_results(json_path).get("rows")
+        if not rows:
+            console.print(f"[red]error:[/] --replot draws {json_path}'s rows, and it has none: run the benchmark first "
+                          "(or name the JSON with --json)")
             raise typer.Exit(2)
-        agents.plot(json.loads(json_path.read_text())["rows"], json_path.with_suffix(".png"), model)
+        agents.plot(rows, json_path.with_suffix(".png"), model)
         console.print(f"plot: {json_path.with_suffix('.png')}")
         return
     with console.status("agents benchmark") as status:

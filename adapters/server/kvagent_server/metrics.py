@@ -94,7 +94,7 @@ class Metrics:
 
 
 class _TierRestores(Collector):
-    """``kvagent_tier_restores_total{tier}``: prefixes a new session restored from each tier (``Tier.hits``, read
+    """``kvagent_tier_restores_total{tier}``: prefixes a new session restored from each tier (``Tier.restores``, read
     at scrape time): whether the tiers earn their memory."""
 
     def __init__(self, tiers: list[Any]) -> None:
@@ -104,5 +104,5 @@ class _TierRestores(Collector):
         family = CounterMetricFamily("kvagent_tier_restores", "Prefixes restored from each tier by new sessions.",
                                      labels=["tier"])
         for tier in self.tiers:
-            family.add_metric([tier.name], float(tier.hits))
+            family.add_metric([tier.name], float(tier.restores))
         yield family
